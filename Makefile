@@ -1,0 +1,70 @@
+# miles — one virtualenv (.venv) with every package editable. See README.md.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONSTRAINTS := requirements/constraints.txt
+PACKAGES := libs/miles-common libs/miles-model $(sort $(wildcard services/*))
+# mypy --strict runs on the shared libraries and every service.
+MYPY_TARGETS := $(filter-out %/proto,$(wildcard libs/*/src/miles/* services/*/src/miles/*))
+empty :=
+space := $(empty) $(empty)
+MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
+PYTEST_ARGS ?=
+
+.PHONY: help setup venv install protos redis-check test lint format lock run bench clean
+
+help:
+	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
+	@echo "make test    unit + integration + e2e + chart tests"
+	@echo "make lint    ruff + mypy --strict"
+	@echo "make run     the whole platform locally with a demo job"
+	@echo "make bench   every benchmark (bench-<name> runs one)"
+	@echo "make lock    re-pin requirements/constraints.txt from .venv after a dependency change"
+	@echo "make clean   remove .venv, generated code and caches"
+
+setup: install protos redis-check
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+venv: $(PY)
+
+install: $(PY)
+	$(PIP) install --quiet -c $(CONSTRAINTS) -r requirements/dev.txt $(addprefix -e ,$(PACKAGES))
+
+protos: $(PY)
+	$(PY) scripts/gen_protos.py
+
+redis-check: $(PY)
+	@$(PY) -c "from miles.common.testing import find_redis_server_binary as f; print('redis-server:', f())"
+
+test:
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint:
+	$(VENV)/bin/ruff check .
+	MYPYPATH=$(MYPY_PATH) $(VENV)/bin/mypy $(MYPY_TARGETS)
+
+format:
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# Pins every installed distribution (transitive ones included); torch keeps the plain version so that pip
+# takes the CPU wheel on disk here and the platform wheel elsewhere.
+lock:
+	{ echo "# Every installed distribution, pinned (make lock). Used as pip constraints by make setup and the images."; \
+	  $(PIP) freeze --exclude-editable | sed -e 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/' | grep -v '^-e '; } > $(CONSTRAINTS)
+
+run:
+	@echo "make run is built by the [controller] issue"; exit 2
+
+bench:
+	@echo "benchmarks are added by their issues (bench-<name>)"
+
+clean:
+	rm -rf $(VENV) libs/miles-common/src/miles/proto .mypy_cache .ruff_cache .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

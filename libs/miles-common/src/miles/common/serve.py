@@ -1,0 +1,98 @@
+"""Run a service's HTTP app and/or gRPC server in one event loop until SIGTERM or SIGINT.
+
+On a signal: the gRPC health service turns NOT_SERVING, in-flight calls get `grace_s` to finish, then both
+servers stop and `on_shutdown` callbacks run (flush, close connections). Services call
+`asyncio.run(serve_async(...))` at the end of `main()`, once their core is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Generator, Sequence
+
+import uvicorn
+from fastapi import FastAPI
+
+from miles.common.grpc_server import GrpcServer
+
+log = logging.getLogger(__name__)
+
+
+class _EmbeddedUvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling: serve_async owns SIGTERM/SIGINT for HTTP and gRPC together."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free port (read it back with getsockname())."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_async(
+    *,
+    http_app: FastAPI | None,
+    http_host: str = "127.0.0.1",
+    http_port: int = 0,
+    grpc_server: GrpcServer | None = None,
+    grace_s: float = 10.0,
+    on_started: Callable[[int | None, int | None], None] | None = None,
+    on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+    stop_event: asyncio.Event | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Serve until a stop signal (or `stop_event` is set, for embedding and tests).
+
+    `on_started(http_port, grpc_port)` runs once both are listening.
+    """
+    stop = stop_event or asyncio.Event()
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    http_server: uvicorn.Server | None = None
+    http_task: asyncio.Task[object] | None = None
+    bound_http_port: int | None = None
+    if http_app is not None:
+        sock = bind_socket(http_host, http_port)
+        bound_http_port = sock.getsockname()[1]
+        config = uvicorn.Config(http_app, log_config=None, access_log=False, timeout_graceful_shutdown=int(grace_s))
+        http_server = _EmbeddedUvicornServer(config)
+        http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
+        # uvicorn exposes start-up only as a flag, so poll it.
+        while not http_server.started and not http_task.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            await http_task  # re-raises the start-up failure
+    if grpc_server is not None:
+        await grpc_server.start()
+    if on_started is not None:
+        on_started(bound_http_port, grpc_server.port if grpc_server else None)
+    log.info("serving", extra={"http_port": bound_http_port, "grpc_port": grpc_server.port if grpc_server else None})
+
+    waiters: list[asyncio.Task[object]] = [asyncio.create_task(stop.wait())]
+    if http_task is not None:
+        waiters.append(http_task)
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down", extra={"grace_s": grace_s})
+    if grpc_server is not None:
+        await grpc_server.stop(grace_s)
+    if http_server is not None and http_task is not None:
+        http_server.should_exit = True
+        await http_task
+    for callback in on_shutdown:
+        await callback()
+    for task in waiters:
+        task.cancel()

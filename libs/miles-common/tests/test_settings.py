@@ -1,0 +1,41 @@
+"""The settings base: env prefix per service, nested fields, start-up validation that names the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.common.errors import ConfigError
+from miles.common.settings import ServiceSettings, load_settings, service_config
+
+
+class ExampleSettings(ServiceSettings):
+    model_config = service_config("EXAMPLE")
+
+    capacity_groups: int = 10
+    """Groups held per job."""
+
+
+def test_env_prefix_sets_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_EXAMPLE_CAPACITY_GROUPS", "42")
+    monkeypatch.setenv("MILES_EXAMPLE_PORT", "9999")
+    settings = load_settings(ExampleSettings)
+    assert settings.capacity_groups == 42
+    assert settings.port == 9999
+
+
+def test_invalid_value_fails_at_start_up_naming_the_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_EXAMPLE_CAPACITY_GROUPS", "many")
+    with pytest.raises(ConfigError) as failure:
+        load_settings(ExampleSettings)
+    assert "MILES_EXAMPLE_CAPACITY_GROUPS" in failure.value.message
+    assert failure.value.field == "capacity_groups"
+
+
+def test_unknown_override_is_refused() -> None:
+    with pytest.raises(ConfigError, match="capacity_grops"):
+        load_settings(ExampleSettings, capacity_grops=3)
+
+
+def test_field_docstrings_become_descriptions() -> None:
+    assert ExampleSettings.model_fields["capacity_groups"].description == "Groups held per job."
+    assert ExampleSettings.model_fields["shutdown_grace_s"].description

@@ -1,0 +1,1 @@
+"""Torch model code shared by the miles engine and trainer; filled by the [engine] issue."""

@@ -1,0 +1,13 @@
+"""miles-buffer starts as a real process and serves the probes every service must serve."""
+
+from pathlib import Path
+
+import pytest
+
+from miles.common.testing.smoke import check_service_entrypoint
+
+
+@pytest.mark.integration
+def test_buffer_entrypoint_serves_probes(tmp_path: Path) -> None:
+    metrics = check_service_entrypoint("miles-buffer", "MILES_BUFFER_", tmp_path, grpc_service=True)
+    assert "# TYPE miles_buffer_" in metrics

@@ -1,0 +1,13 @@
+"""miles-session-server starts as a real process and serves the probes every service must serve."""
+
+from pathlib import Path
+
+import pytest
+
+from miles.common.testing.smoke import check_service_entrypoint
+
+
+@pytest.mark.integration
+def test_session_entrypoint_serves_probes(tmp_path: Path) -> None:
+    metrics = check_service_entrypoint("miles-session-server", "MILES_SESSION_", tmp_path, grpc_service=False)
+    assert "# TYPE miles_session_" in metrics

@@ -1,0 +1,3 @@
+"""miles weight-sync: the versioned weight store of a job (full snapshots and lossless deltas) and rolling,
+version-locked updates of the job's engines.
+"""
