@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv install protos redis-check test lint format lock run bench clean
+.PHONY: help setup venv install protos redis-check test lint format lock run bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -35,6 +35,7 @@ venv: $(PY)
 
 install: $(PY)
 	$(PIP) install --quiet -c $(CONSTRAINTS) -r requirements/dev.txt $(addprefix -e ,$(PACKAGES))
+	$(PIP) install --quiet --no-deps -c $(CONSTRAINTS) -r requirements/assets.txt
 
 protos: $(PY)
 	$(PY) scripts/gen_protos.py
@@ -62,8 +63,22 @@ lock:
 run:
 	@echo "make run is built by the [controller] issue"; exit 2
 
-bench:
-	@echo "benchmarks are added by their issues (bench-<name>)"
+# bench/<name>.py is `make bench-<name>`; `make bench` runs them all. Each prints ratios measured in one run
+# and writes bench/results/<name>.json.
+BENCHES := $(filter-out _%,$(notdir $(basename $(wildcard bench/*.py))))
+
+bench: $(addprefix bench-,$(BENCHES))
+
+bench-%:
+	$(PY) bench/$*.py
+
+# The tiny Qwen3-architecture model every CPU test, benchmark and demo uses, built by our own script.
+TINY_MODEL_DIR ?= .miles/models/tiny-qwen3
+
+tiny-model: $(TINY_MODEL_DIR)/config.json
+
+$(TINY_MODEL_DIR)/config.json:
+	$(VENV)/bin/miles-make-tiny-model $(TINY_MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) libs/miles-common/src/miles/proto .mypy_cache .ruff_cache .pytest_cache
