@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv install protos tools redis-check test lint format lock run bench tiny-model clean
+.PHONY: help setup venv install protos tools redis-check test chart-test lint format lock run bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -49,6 +49,10 @@ redis-check: $(PY)
 
 test:
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The Helm chart alone: helm lint, rendering with every values file, Kubernetes schema validation, policy checks.
+chart-test:
+	$(PY) -m pytest helm $(PYTEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check .

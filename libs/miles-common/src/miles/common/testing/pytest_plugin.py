@@ -29,7 +29,7 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [item for item in items if "gpu" in item.keywords]
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if gpu_items and not _cuda_available():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
         for item in gpu_items:

@@ -1,0 +1,200 @@
+{{/*
+The Deployment, Service, HPA, PDB and ServiceAccount of one shared service. Called from the component's own
+files (one kind per file) with (dict "root" $ "component" "<name>" "key" "<valuesKey>").
+A component's values: enabled, replicaCount, image, ports (http | grpc + metrics), resources, nodePool,
+settings (-> MILES_<envPrefix>_*), usesRedis, extraEnv, autoscaling, podDisruptionBudget, podAnnotations.
+*/}}
+
+{{- define "miles.metricsPort" -}}
+{{- $c := index .root.Values .key -}}
+{{- if hasKey $c.ports "metrics" }}{{ $c.ports.metrics }}{{ else }}{{ $c.ports.http }}{{ end -}}
+{{- end -}}
+
+{{- define "miles.serviceDeployment" -}}
+{{- $root := .root -}}
+{{- $c := index $root.Values .key -}}
+{{- $ctx := dict "root" $root "component" .component -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "miles.componentName" $ctx }}
+  labels:
+    {{- include "miles.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not $c.autoscaling.enabled }}
+  replicas: {{ $c.replicaCount }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "miles.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "miles.labels" $ctx | nindent 8 }}
+      {{- with $c.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "miles.componentName" $ctx }}
+      automountServiceAccountToken: {{ $c.rbac | default false }}
+      securityContext:
+        {{- include "miles.podSecurityContext" $root | nindent 8 }}
+      {{- with $root.Values.global.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- include "miles.nodePlacement" (dict "root" $root "pool" $c.nodePool) | nindent 6 }}
+      topologySpreadConstraints:
+        - maxSkew: 1
+          topologyKey: kubernetes.io/hostname
+          whenUnsatisfiable: ScheduleAnyway
+          labelSelector:
+            matchLabels:
+              {{- include "miles.selectorLabels" $ctx | nindent 14 }}
+      terminationGracePeriodSeconds: {{ $c.terminationGracePeriodSeconds | default 30 }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "miles.image" (dict "root" $root "image" $c.image) }}
+          imagePullPolicy: {{ $root.Values.global.imagePullPolicy }}
+          securityContext:
+            {{- include "miles.containerSecurityContext" $root | nindent 12 }}
+          ports:
+            {{- range $name, $port := $c.ports }}
+            - name: {{ $name }}
+              containerPort: {{ $port }}
+              protocol: TCP
+            {{- end }}
+          env:
+            - name: MILES_{{ $c.envPrefix }}_HOST
+              value: "0.0.0.0"
+            - name: MILES_{{ $c.envPrefix }}_PORT
+              value: {{ default $c.ports.http $c.ports.grpc | quote }}
+            {{- if hasKey $c.ports "metrics" }}
+            - name: MILES_{{ $c.envPrefix }}_METRICS_PORT
+              value: {{ $c.ports.metrics | quote }}
+            {{- end }}
+            {{- if $c.usesRedis }}
+            - name: MILES_{{ $c.envPrefix }}_REDIS_URL
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "miles.secretName" $root }}
+                  key: redis-url
+            {{- end }}
+            {{- range $c.secretEnv }}
+            - name: MILES_{{ $c.envPrefix }}_{{ .field | upper }}
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "miles.secretName" $root }}
+                  key: {{ .secretKey }}
+            {{- end }}
+            {{- include "miles.settingsEnv" (dict "prefix" $c.envPrefix "settings" $c.settings) | nindent 12 }}
+            {{- if $root.Values.tracing.otlpEndpoint }}
+            - name: OTEL_EXPORTER_OTLP_ENDPOINT
+              value: {{ $root.Values.tracing.otlpEndpoint | quote }}
+            {{- end }}
+            {{- with $c.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          livenessProbe:
+            httpGet:
+              path: /healthz
+              port: {{ include "miles.metricsPort" . }}
+            periodSeconds: 10
+            timeoutSeconds: 3
+            failureThreshold: 6
+          readinessProbe:
+            httpGet:
+              path: /readyz
+              port: {{ include "miles.metricsPort" . }}
+            periodSeconds: 5
+            timeoutSeconds: 3
+            failureThreshold: 3
+          resources:
+            {{- toYaml $c.resources | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+      volumes:
+        - name: tmp
+          emptyDir:
+            sizeLimit: {{ $c.tmpSizeLimit | default "1Gi" }}
+{{- end -}}
+
+{{- define "miles.serviceService" -}}
+{{- $c := index .root.Values .key -}}
+{{- $ctx := dict "root" .root "component" .component -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "miles.componentName" $ctx }}
+  labels:
+    {{- include "miles.labels" $ctx | nindent 4 }}
+spec:
+  type: {{ $c.serviceType | default "ClusterIP" }}
+  selector:
+    {{- include "miles.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    {{- range $name, $port := $c.ports }}
+    - name: {{ $name }}
+      port: {{ $port }}
+      targetPort: {{ $name }}
+      protocol: TCP
+      {{- if eq $name "grpc" }}
+      appProtocol: grpc
+      {{- end }}
+    {{- end }}
+{{- end -}}
+
+{{- define "miles.serviceHpa" -}}
+{{- $c := index .root.Values .key -}}
+{{- $ctx := dict "root" .root "component" .component -}}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "miles.componentName" $ctx }}
+  labels:
+    {{- include "miles.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "miles.componentName" $ctx }}
+  minReplicas: {{ $c.autoscaling.minReplicas }}
+  maxReplicas: {{ $c.autoscaling.maxReplicas }}
+  metrics:
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $c.autoscaling.targetCPUUtilizationPercentage }}
+{{- end -}}
+
+{{- define "miles.servicePdb" -}}
+{{- $c := index .root.Values .key -}}
+{{- $ctx := dict "root" .root "component" .component -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "miles.componentName" $ctx }}
+  labels:
+    {{- include "miles.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ $c.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "miles.selectorLabels" $ctx | nindent 6 }}
+{{- end -}}
+
+{{- define "miles.serviceAccount" -}}
+{{- $ctx := dict "root" .root "component" .component -}}
+apiVersion: v1
+kind: ServiceAccount
+metadata:
+  name: {{ include "miles.componentName" $ctx }}
+  labels:
+    {{- include "miles.labels" $ctx | nindent 4 }}
+automountServiceAccountToken: false
+{{- end -}}
