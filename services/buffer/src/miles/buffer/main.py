@@ -1,11 +1,15 @@
-"""Entry point of miles-buffer: load settings, build the gRPC server and the metrics app, serve."""
+"""Entry point of miles-buffer: load settings, connect Redis, build the core, serve gRPC plus the metrics app."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
+from miles.buffer.core import Buffer
+from miles.buffer.metrics import BufferMetrics
+from miles.buffer.service import SERVICE_NAME, BufferServicer, add_buffer_service
 from miles.buffer.settings import BufferSettings
+from miles.buffer.store import RedisStore, check_redis_persistence, connect_redis
 from miles.common.grpc_server import build_grpc_server
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
@@ -18,16 +22,35 @@ SERVICE = "buffer"
 
 async def run(settings: BufferSettings) -> None:
     metrics = Metrics(SERVICE)
-    grpc_server = build_grpc_server(
-        servicers=[], service_names=[], metrics=metrics, host=settings.host, port=settings.port
+    client = connect_redis(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        socket_timeout_s=settings.redis_socket_timeout_s,
     )
-    app = create_http_app(service=SERVICE, metrics=metrics)
+    await check_redis_persistence(client, settings.redis_persistence_check)
+    store = RedisStore(
+        client,
+        key_prefix=settings.key_prefix,
+        dedupe_window_s=settings.dedupe_window_s,
+        dedupe_max_ids=settings.dedupe_max_ids_per_job,
+    )
+    buffer = Buffer(store, settings, BufferMetrics(metrics))
+    grpc_server = build_grpc_server(
+        servicers=[(add_buffer_service, BufferServicer(buffer))],
+        service_names=[SERVICE_NAME],
+        metrics=metrics,
+        host=settings.host,
+        port=settings.port,
+    )
+    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"redis": buffer.ping})
+    buffer.start_background()
     await serve_async(
         http_app=app,
         http_host=settings.host,
         http_port=settings.metrics_port,
         grpc_server=grpc_server,
         grace_s=settings.shutdown_grace_s,
+        on_shutdown=[buffer.close],
     )
 
 

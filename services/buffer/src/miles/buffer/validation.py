@@ -1,0 +1,185 @@
+"""Request validation of the buffer: every check names the offending field and runs before anything is stored.
+
+Checks are about shape (lengths, ranges, span layout, status), never per-token values: those would cost a
+Python-level pass over every token of every sample (milliseconds per group) and are the trainer's to judge
+(it nacks groups it cannot train on).
+
+Also summarises a valid group into the few numbers the store needs (staleness, sizes, filter facts), so that
+the Lua scripts never parse protobuf.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from miles.buffer.errors import InvalidRequestError
+from miles.proto.common.v1 import common_pb2
+
+_JOB_ID_RE = re.compile(r"^[^\s{}]{1,200}$")
+_TRAINABLE = frozenset({common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED})
+_KNOWN_STATUSES = frozenset(
+    {
+        common_pb2.SAMPLE_STATUS_COMPLETED,
+        common_pb2.SAMPLE_STATUS_TRUNCATED,
+        common_pb2.SAMPLE_STATUS_ABORTED,
+        common_pb2.SAMPLE_STATUS_FAILED,
+    }
+)
+MAX_LEASE_IDS_PER_CALL = 100_000
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """What the store keeps about a valid group besides its bytes.
+
+    `min_weight_version` is the oldest span version over all samples (-1 when no sample has spans: such a group
+    is never stale); `trainable_rewards_equal` is true when every COMPLETED/TRUNCATED sample has the same reward.
+    """
+
+    min_weight_version: int
+    num_samples: int
+    num_tokens: int
+    num_trainable: int
+    trainable_rewards_equal: bool
+
+
+def check_job_id(job_id: str) -> None:
+    if not _JOB_ID_RE.match(job_id):
+        raise InvalidRequestError(
+            "job_id must be 1-200 characters without whitespace, '{' or '}'" if job_id else "job_id is empty",
+            field="job_id",
+        )
+
+
+def _check_spans(sample: common_pb2.Sample, field: str, num_response_tokens: int) -> int:
+    """Checks the weight spans of one sample; returns their smallest version (-1 when there are none)."""
+    min_version = -1
+    previous_end = 0
+    for index, span in enumerate(sample.weight_versions):
+        span_field = f"{field}.weight_versions[{index}]"
+        if span.start < previous_end:
+            raise InvalidRequestError(
+                f"{span_field}: spans must be ordered and not overlap (start {span.start} < {previous_end})",
+                field=span_field,
+            )
+        if not span.start < span.end <= num_response_tokens:
+            raise InvalidRequestError(
+                f"{span_field}: need start < end <= {num_response_tokens} response tokens, got "
+                f"[{span.start}, {span.end})",
+                field=span_field,
+            )
+        if span.weight_version < 0:
+            raise InvalidRequestError(f"{span_field}.weight_version must be >= 0", field=f"{span_field}.weight_version")
+        previous_end = span.end
+        min_version = span.weight_version if min_version < 0 else min(min_version, span.weight_version)
+    return min_version
+
+
+def _check_sample(sample: common_pb2.Sample, field: str, group_id: str) -> int:
+    """Checks one sample's arrays and fields; returns its smallest span version (-1 when it has none)."""
+    num_tokens = len(sample.tokens)
+    if num_tokens == 0:
+        raise InvalidRequestError(f"{field}.tokens is empty", field=f"{field}.tokens")
+    if not 0 <= sample.response_start <= num_tokens:
+        raise InvalidRequestError(
+            f"{field}.response_start must be within [0, {num_tokens}], got {sample.response_start}",
+            field=f"{field}.response_start",
+        )
+    num_response = num_tokens - sample.response_start
+    if len(sample.loss_mask) != num_response:
+        raise InvalidRequestError(
+            f"{field}.loss_mask has {len(sample.loss_mask)} entries, need len(tokens) - response_start = "
+            f"{num_response}",
+            field=f"{field}.loss_mask",
+        )
+    if len(sample.rollout_logprobs) != num_response:
+        raise InvalidRequestError(
+            f"{field}.rollout_logprobs has {len(sample.rollout_logprobs)} entries, need len(loss_mask) = "
+            f"{num_response}",
+            field=f"{field}.rollout_logprobs",
+        )
+    if sample.token_rewards and len(sample.token_rewards) != num_response:
+        raise InvalidRequestError(
+            f"{field}.token_rewards has {len(sample.token_rewards)} entries, need 0 or {num_response}",
+            field=f"{field}.token_rewards",
+        )
+    if sample.status not in _KNOWN_STATUSES:
+        raise InvalidRequestError(f"{field}.status must be set to a known SampleStatus", field=f"{field}.status")
+    if sample.group_id and sample.group_id != group_id:
+        raise InvalidRequestError(
+            f"{field}.group_id {sample.group_id!r} differs from group.group_id {group_id!r}", field=f"{field}.group_id"
+        )
+    if not math.isfinite(sample.reward):
+        raise InvalidRequestError(f"{field}.reward must be finite", field=f"{field}.reward")
+    return _check_spans(sample, field, num_response)
+
+
+def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
+    """Validates a pushed group (see PushGroupRequest in buffer.proto) and summarises it."""
+    if not group.group_id:
+        raise InvalidRequestError("group.group_id is empty", field="group.group_id")
+    if group.job_id and group.job_id != job_id:
+        raise InvalidRequestError(f"group.job_id {group.job_id!r} differs from job_id {job_id!r}", field="group.job_id")
+    if not group.samples:
+        raise InvalidRequestError("group.samples is empty: a group has at least one sample", field="group.samples")
+    if group.epoch < 0:
+        raise InvalidRequestError("group.epoch must be >= 0", field="group.epoch")
+    min_version = -1
+    num_tokens = 0
+    trainable_rewards: list[float] = []
+    for index, sample in enumerate(group.samples):
+        sample_min = _check_sample(sample, f"group.samples[{index}]", group.group_id)
+        if sample_min >= 0:
+            min_version = sample_min if min_version < 0 else min(min_version, sample_min)
+        num_tokens += len(sample.tokens)
+        if sample.status in _TRAINABLE:
+            trainable_rewards.append(sample.reward)
+    return GroupSummary(
+        min_weight_version=min_version,
+        num_samples=len(group.samples),
+        num_tokens=num_tokens,
+        num_trainable=len(trainable_rewards),
+        trainable_rewards_equal=len(set(trainable_rewards)) <= 1,
+    )
+
+
+def check_lease_ids(lease_ids: Sequence[str], *, allow_empty: bool = False) -> None:
+    if not lease_ids and not allow_empty:
+        raise InvalidRequestError("lease_ids is empty", field="lease_ids")
+    if len(lease_ids) > MAX_LEASE_IDS_PER_CALL:
+        raise InvalidRequestError(f"at most {MAX_LEASE_IDS_PER_CALL} lease_ids per call", field="lease_ids")
+    if any(not lease_id for lease_id in lease_ids):
+        raise InvalidRequestError("lease_ids contains an empty id", field="lease_ids")
+
+
+def check_lease_s(lease_s: float, max_lease_s: float) -> None:
+    if not 0 < lease_s <= max_lease_s:
+        raise InvalidRequestError(f"lease_s must be in (0, {max_lease_s:g}], got {lease_s}", field="lease_s")
+
+
+def check_pull(
+    *,
+    num_groups: int,
+    min_groups: int,
+    trainer_version: int,
+    max_staleness: int,
+    lease_s: float,
+    wait_s: float,
+    max_pull_groups: int,
+    max_lease_s: float,
+) -> None:
+    """Validates the arguments of PullBatch (see PullBatchRequest in buffer.proto)."""
+    if not 1 <= num_groups <= max_pull_groups:
+        raise InvalidRequestError(f"num_groups must be in [1, {max_pull_groups}], got {num_groups}", field="num_groups")
+    if not 0 <= min_groups <= num_groups:
+        raise InvalidRequestError(f"min_groups must be in [0, num_groups], got {min_groups}", field="min_groups")
+    if trainer_version < 0:
+        raise InvalidRequestError(f"trainer_version must be >= 0, got {trainer_version}", field="trainer_version")
+    if max_staleness < 0:
+        raise InvalidRequestError(f"max_staleness must be >= 0, got {max_staleness}", field="max_staleness")
+    check_lease_s(lease_s, max_lease_s)
+    if not (wait_s >= 0 and math.isfinite(wait_s)):
+        raise InvalidRequestError(f"wait_s must be a finite number >= 0, got {wait_s}", field="wait_s")
