@@ -1,0 +1,295 @@
+"""HTTP facade: the gRPC API's operations as JSON over HTTP, for agents that prefer plain HTTP.
+
+Routes (under /v1/sandboxes; errors are {"error": {"code", "message", "field"?}} with the common status
+mapping — unknown sandbox 404, invalid input 400 naming the field, oversized body 413, quota 429):
+
+  POST   /v1/sandboxes                     create    body CreateBody -> 201 CreateReply
+  GET    /v1/sandboxes?job_id=             list      -> {"sandboxes": [SandboxInfoBody]}
+  POST   /v1/sandboxes/{id}/exec           exec      body ExecBody -> application/x-ndjson stream of
+                                                     {"type": "output", "stream", "data_b64"} lines and one
+                                                     {"type": "result", ...ExecResultBody} line (or, mid-stream,
+                                                     {"type": "error", "error": {...}}); with "stream": false
+                                                     one JSON ExecCollected
+  PUT    /v1/sandboxes/{id}/files?path=&mode=   write  raw body (mode: octal text, default 644)
+  GET    /v1/sandboxes/{id}/files?path=&max_bytes=  read -> raw bytes, X-Miles-File-Size, X-Miles-Truncated
+  DELETE /v1/sandboxes/{id}                destroy   -> {"destroyed": bool} (idempotent)
+
+This is also the API the remote backend speaks to a provider (see remote_backend.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles.common.errors import MilesError
+from miles.sandbox.errors import FileTooLargeError, InvalidSandboxRequestError
+from miles.sandbox.gateway import SandboxGateway
+from miles.sandbox.models import (
+    LIMIT_FIELDS,
+    CreateParams,
+    ExecEvent,
+    ExecParams,
+    ExecResult,
+    Limits,
+    NetworkMode,
+    NetworkSpec,
+    OutputChunk,
+    SandboxInfo,
+)
+
+NDJSON = "application/x-ndjson"
+
+
+class LimitsBody(BaseModel):
+    """Same fields and units as the proto's Limits; 0 = template default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpu_s: float = 0.0
+    memory_bytes: int = 0
+    max_processes: int = 0
+    max_open_files: int = 0
+    max_file_bytes: int = 0
+    max_output_bytes: int = 0
+
+    def to_limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+    @classmethod
+    def of(cls, limits: Limits) -> LimitsBody:
+        return cls(**{name: getattr(limits, name) for name in LIMIT_FIELDS})
+
+
+class NetworkBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["none", "egress_allowlist"] = "none"
+    egress_allowlist: list[str] = Field(default_factory=list)
+
+
+class CreateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = ""
+    template: str = ""
+    env: dict[str, str] = Field(default_factory=dict)
+    limits: LimitsBody = LimitsBody()
+    ttl_s: float = 0.0
+    network: NetworkBody = NetworkBody()
+
+
+class CreateReply(BaseModel):
+    sandbox_id: str
+    backend: str
+    startup_s: float
+    limits: LimitsBody
+    warm: bool
+
+
+class ExecBody(BaseModel):
+    """Exactly one of argv / shell. stdin as text (UTF-8) or stdin_b64 (bytes), not both."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    argv: list[str] | None = None
+    shell: str | None = None
+    stdin: str = ""
+    stdin_b64: str = ""
+    timeout_s: float = 0.0
+    cwd: str = ""
+    env: dict[str, str] = Field(default_factory=dict)
+    stream: bool = True
+
+
+class ExecResultBody(BaseModel):
+    exit_code: int
+    signal: int
+    wall_s: float
+    cpu_s: float
+    limits_hit: list[str]
+    stdout_bytes: int
+    stderr_bytes: int
+
+    @classmethod
+    def of(cls, result: ExecResult) -> ExecResultBody:
+        return cls(
+            exit_code=result.exit_code,
+            signal=result.signal,
+            wall_s=result.wall_s,
+            cpu_s=result.cpu_s,
+            limits_hit=[kind.value for kind in result.limits_hit],
+            stdout_bytes=result.stdout_bytes,
+            stderr_bytes=result.stderr_bytes,
+        )
+
+
+class ExecCollected(BaseModel):
+    """A whole exec at once; stdout/stderr as text (invalid UTF-8 replaced) and as base64 bytes."""
+
+    stdout: str
+    stderr: str
+    stdout_b64: str
+    stderr_b64: str
+    result: ExecResultBody
+
+
+class SandboxInfoBody(BaseModel):
+    sandbox_id: str
+    job_id: str
+    backend: str
+    template: str
+    created_at_unix_ms: int
+    last_used_unix_ms: int
+    ttl_s: float
+    limits: LimitsBody
+    network_mode: str
+    active_execs: int
+
+    @classmethod
+    def of(cls, info: SandboxInfo) -> SandboxInfoBody:
+        return cls(**{**info.__dict__, "limits": LimitsBody.of(info.limits), "network_mode": info.network_mode.value})
+
+
+def _stdin_bytes(body: ExecBody) -> bytes:
+    if body.stdin and body.stdin_b64:
+        raise InvalidSandboxRequestError("give stdin or stdin_b64, not both", field="stdin")
+    if body.stdin_b64:
+        try:
+            return base64.b64decode(body.stdin_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidSandboxRequestError("stdin_b64 is not valid base64", field="stdin_b64") from None
+    return body.stdin.encode()
+
+
+def _event_line(event: ExecEvent) -> bytes:
+    if isinstance(event, OutputChunk):
+        record: dict[str, object] = {
+            "type": "output",
+            "stream": event.stream,
+            "data_b64": base64.b64encode(event.data).decode(),
+        }
+    else:
+        record = {"type": "result", **ExecResultBody.of(event).model_dump()}
+    return json.dumps(record).encode() + b"\n"
+
+
+async def _ndjson(events: AsyncGenerator[ExecEvent, None]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield _event_line(event)
+    except MilesError as error:
+        yield json.dumps({"type": "error", "error": error.to_dict()}).encode() + b"\n"
+    finally:
+        await events.aclose()
+
+
+async def _collect(events: AsyncIterator[ExecEvent]) -> ExecCollected:
+    output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+    result: ExecResult | None = None
+    async for event in events:
+        if isinstance(event, OutputChunk):
+            output[event.stream].append(event.data)
+        else:
+            result = event
+    assert result is not None, "an exec always ends with a result"
+    stdout, stderr = b"".join(output["stdout"]), b"".join(output["stderr"])
+    return ExecCollected(
+        stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace"),
+        stdout_b64=base64.b64encode(stdout).decode(),
+        stderr_b64=base64.b64encode(stderr).decode(),
+        result=ExecResultBody.of(result),
+    )
+
+
+async def _read_body_capped(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise FileTooLargeError(f"body is {declared} bytes, above max_write_bytes={max_bytes}", field="data")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise FileTooLargeError(f"body is larger than max_write_bytes={max_bytes}", field="data")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_mode(mode: str) -> int:
+    if not mode:
+        return 0
+    try:
+        return int(mode, 8)
+    except ValueError:
+        raise InvalidSandboxRequestError(f"mode must be octal text such as 644, got {mode!r}", field="mode") from None
+
+
+def build_router(gateway: SandboxGateway) -> APIRouter:
+    router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+    @router.post("", status_code=201)
+    async def create_sandbox(body: CreateBody) -> CreateReply:
+        created = await gateway.create(
+            CreateParams(
+                job_id=body.job_id,
+                template=body.template,
+                env=body.env,
+                limits=body.limits.to_limits(),
+                ttl_s=body.ttl_s,
+                network=NetworkSpec(NetworkMode(body.network.mode), tuple(body.network.egress_allowlist)),
+            )
+        )
+        return CreateReply(
+            sandbox_id=created.sandbox_id,
+            backend=created.backend,
+            startup_s=created.startup_s,
+            limits=LimitsBody.of(created.limits),
+            warm=created.warm,
+        )
+
+    @router.get("")
+    async def list_sandboxes(job_id: str = "") -> dict[str, list[SandboxInfoBody]]:
+        return {"sandboxes": [SandboxInfoBody.of(info) for info in gateway.list_sandboxes(job_id)]}
+
+    @router.post("/{sandbox_id}/exec", response_model=None)
+    async def exec_in_sandbox(sandbox_id: str, body: ExecBody) -> Response | ExecCollected:
+        params = ExecParams(
+            argv=tuple(body.argv) if body.argv is not None else None,
+            shell=body.shell,
+            stdin=_stdin_bytes(body),
+            timeout_s=body.timeout_s,
+            cwd=body.cwd,
+            env=body.env,
+        )
+        events = gateway.open_exec(sandbox_id, params)  # NOT_FOUND / invalid input raise here, before the 200
+        if not body.stream:
+            return await _collect(events)
+        return StreamingResponse(_ndjson(events), media_type=NDJSON)
+
+    @router.put("/{sandbox_id}/files")
+    async def write_file(sandbox_id: str, request: Request, path: str, mode: str = "") -> dict[str, int]:
+        gateway.ensure_exists(sandbox_id)  # 404 before reading a body for nothing
+        data = await _read_body_capped(request, gateway.settings.max_write_bytes)
+        written = await gateway.write_file(sandbox_id, path, data, _parse_mode(mode))
+        return {"bytes_written": written}
+
+    @router.get("/{sandbox_id}/files")
+    async def read_file(sandbox_id: str, path: str, max_bytes: int = 0) -> Response:
+        content = await gateway.read_file(sandbox_id, path, max_bytes)
+        headers = {"X-Miles-File-Size": str(content.size_bytes), "X-Miles-Truncated": str(content.truncated).lower()}
+        return Response(content.data, media_type="application/octet-stream", headers=headers)
+
+    @router.delete("/{sandbox_id}")
+    async def destroy_sandbox(sandbox_id: str) -> JSONResponse:
+        return JSONResponse({"destroyed": await gateway.destroy(sandbox_id)})
+
+    return router
