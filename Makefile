@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv install protos tools redis-check test chart-test lint format lock run bench tiny-model clean
+.PHONY: help setup venv install protos tools redis-check sandbox-check test chart-test chart-settings lint format lock run bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -26,7 +26,7 @@ help:
 	@echo "make lock    re-pin requirements/constraints.txt from .venv after a dependency change"
 	@echo "make clean   remove .venv, generated code and caches"
 
-setup: install protos tools redis-check
+setup: install protos tools redis-check sandbox-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +44,22 @@ protos: $(PY)
 tools: $(PY)
 	$(PY) scripts/install_helm.py
 
+# The local sandbox backend needs bubblewrap: installed here when apt-get can, else a warning (sandbox tests
+# then fail with the install command).
+sandbox-check:
+	@command -v bwrap >/dev/null || { command -v apt-get >/dev/null && $$( [ $$(id -u) -eq 0 ] || echo sudo ) apt-get install -y -q bubblewrap; } \
+		|| echo "WARNING: no bubblewrap: apt-get install -y bubblewrap (sandbox tests need it)"
+	@command -v bwrap >/dev/null && echo "bwrap: $$(command -v bwrap)" || true
+
 redis-check: $(PY)
 	@$(PY) -c "from miles.common.testing import find_redis_server_binary as f; print('redis-server:', f())"
 
 test:
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Rewrite the generated settings blocks of helm/miles/values.yaml from the services' settings classes.
+chart-settings:
+	$(PY) scripts/sync_chart_settings.py
 
 # The Helm chart alone: helm lint, rendering with every values file, Kubernetes schema validation, policy checks.
 chart-test:

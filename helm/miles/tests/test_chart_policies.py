@@ -4,6 +4,8 @@ and values mirror each service's settings class."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -186,3 +188,9 @@ def test_values_mirror_the_service_settings_class(chart_dir: Path, component: st
 def test_rendering_is_deterministic_for_fixed_values(chart_dir: Path) -> None:
     values = [chart_dir / "ci" / "ci-values.yaml"]
     assert render_chart(chart_dir, values) == render_chart(chart_dir, values)
+
+
+def test_values_settings_blocks_are_in_sync_with_the_settings_classes(chart_dir: Path) -> None:
+    script = chart_dir.parents[1] / "scripts" / "sync_chart_settings.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pydantic import model_validator
+
 from miles.common.errors import ConfigError
 from miles.common.settings import ServiceSettings, load_settings, service_config
 
@@ -39,3 +41,22 @@ def test_unknown_override_is_refused() -> None:
 def test_field_docstrings_become_descriptions() -> None:
     assert ExampleSettings.model_fields["capacity_groups"].description == "Groups held per job."
     assert ExampleSettings.model_fields["shutdown_grace_s"].description
+
+
+class RangeSettings(ServiceSettings):
+    model_config = service_config("RANGE")
+
+    min_s: float = 1.0
+    max_s: float = 2.0
+
+    @model_validator(mode="after")
+    def check_order(self) -> RangeSettings:
+        if self.min_s > self.max_s:
+            raise ValueError("min_s must not exceed max_s")
+        return self
+
+
+def test_model_level_validator_failure_is_a_readable_config_error() -> None:
+    with pytest.raises(ConfigError, match="settings: Value error, min_s must not exceed max_s") as failure:
+        load_settings(RangeSettings, min_s=5.0)
+    assert failure.value.field is None

@@ -68,10 +68,14 @@ def load_settings(settings_class: type[SettingsT], **overrides: Any) -> Settings
         prefix = settings_class.model_config.get("env_prefix", "")
         problems = []
         for error in exc.errors():
+            if not error["loc"]:  # a model-level validator: no single field to name
+                problems.append(f"settings: {error['msg']}")
+                continue
             location = ".".join(str(part) for part in error["loc"])
             env_name = f"{prefix}{location.replace('.', '__')}".upper()
             problems.append(f"{location} ({env_name}): {error['msg']}")
+        first_location = exc.errors()[0]["loc"] if exc.errors() else ()
         raise ConfigError(
             f"invalid {settings_class.__name__}: " + "; ".join(problems),
-            field=str(exc.errors()[0]["loc"][0]) if exc.errors() else None,
+            field=str(first_location[0]) if first_location else None,
         ) from None
