@@ -1,0 +1,112 @@
+"""One engine as the router sees it: address, source, admission slots, health, circuit breaker, weight version.
+
+An `Engine` is *available* when it is healthy, not draining and its breaker lets requests through; only available
+engines are offered to a routing policy. Its `weight_version` is the integer form of SGLang's `weight_version`
+string (miles engines report str(int)); a non-integer version ("default") is unknown and never satisfies a
+`min_weight_version`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from miles.router.admission import EngineSlots
+from miles.router.breaker import BreakerState, CircuitBreaker, HealthTracker
+from miles.router.errors import InvalidRoutingInputError
+
+_INT_RE = re.compile(r"^-?\d+$")
+
+
+class EngineSource(enum.Enum):
+    STATIC = "static"
+    ADMIN = "admin"
+    KUBERNETES = "kubernetes"
+
+
+class EngineState(enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    DRAINED = "drained"
+
+
+def normalize_engine_url(url: str) -> str:
+    """The canonical form of an engine base URL (scheme + host[:port] + path without trailing slash)."""
+    stripped = url.strip().rstrip("/")
+    parts = urlsplit(stripped)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise InvalidRoutingInputError(f"engine url {url!r} must be http(s)://host[:port]", field="url")
+    return stripped
+
+
+def parse_weight_version(value: object) -> int | None:
+    """SGLang reports weight_version as a string; miles versions are integers. None when not an integer."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and _INT_RE.match(value.strip()):
+        return int(value.strip())
+    return None
+
+
+@dataclass(eq=False)
+class Engine:
+    """Mutable state of one registered engine (owned by its pool; one event loop)."""
+
+    pool: str
+    url: str
+    source: EngineSource
+    slots: EngineSlots
+    health: HealthTracker
+    breaker: CircuitBreaker
+    configured_max_concurrency: int = 0
+    """Explicit limit from RegisterEngine (0 = none: engine-reported or router default)."""
+    weight_version: int | None = None
+    draining: bool = False
+    kv_capacity_tokens: int | None = None
+    removed: bool = False
+    last_health_check_s: float = field(default=-1e18)
+    last_version_poll_s: float = field(default=-1e18)
+
+    def is_available(self, now_s: float | None = None) -> bool:
+        """Healthy, not draining, not removed, and the circuit breaker lets requests through."""
+        if self.removed or self.draining or not self.health.healthy:
+            return False
+        return self.breaker.allows(time.monotonic() if now_s is None else now_s)
+
+    def serves_version(self, min_weight_version: int | None) -> bool:
+        if min_weight_version is None:
+            return True
+        return self.weight_version is not None and self.weight_version >= min_weight_version
+
+    def state(self, now_s: float | None = None) -> EngineState:
+        if self.draining:
+            return EngineState.DRAINED if self.slots.is_idle() else EngineState.DRAINING
+        if not self.health.healthy:
+            return EngineState.UNHEALTHY
+        if not self.breaker.allows(time.monotonic() if now_s is None else now_s):
+            return EngineState.UNHEALTHY
+        return EngineState.HEALTHY
+
+    @property
+    def circuit_open(self) -> bool:
+        return self.breaker.state is BreakerState.OPEN
+
+    def observe_version(self, version: int | None, *, authoritative: bool) -> bool:
+        """Record a weight version; returns True when it changed.
+
+        Polls are authoritative (an engine restarted on older weights goes back); versions seen in responses only
+        move forward, so a late response of an older version cannot undo a newer poll.
+        """
+        if version is None:
+            return False
+        if not authoritative and self.weight_version is not None and version <= self.weight_version:
+            return False
+        changed = version != self.weight_version
+        self.weight_version = version
+        return changed

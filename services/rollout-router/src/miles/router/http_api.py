@@ -1,0 +1,237 @@
+"""HTTP transport: the data plane (SGLang-native routes, bytes passed through) and the admin API mirror.
+
+Data plane: `POST /generate` (also `PUT`, as SGLang accepts), `POST /v1/chat/completions`,
+`POST /v1/completions`. The body is read whole and handed to the forwarder untouched; the engine's status,
+headers (less hop-by-hop ones) and body come back unchanged. Router decisions that are errors (no pool or engine
+503, version 409, backpressure 429 + Retry-After, invalid routing header 400) use the shared JSON error body
+`{"error": {"type", "code", "message", ...}}`. Any other path is 404.
+
+Admin mirror of RouterAdminService under /admin/v1/ (JSON, field names as in the proto; `state` and `source`
+as lower-case names).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
+
+from miles.common.http import create_http_app
+from miles.common.telemetry import Metrics
+from miles.router.forwarder import ForwardedResponse
+from miles.router.relay import StreamRelay
+from miles.router.routing_input import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE
+from miles.router.service import RouterService
+from miles.router.snapshots import EngineSnapshot, PoolStatsSnapshot
+
+
+class _PassthroughResponse(Response):
+    """A complete engine answer with the engine's headers, byte for byte."""
+
+    def __init__(self, forwarded: ForwardedResponse) -> None:
+        body = forwarded.body or b""
+        super().__init__(content=body, status_code=forwarded.status_code)
+        self.raw_headers = [*_raw(forwarded.headers), (b"content-length", str(len(body)).encode())]
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed engine answer; the relay is closed (slot released, outcome recorded) whatever happens."""
+
+    def __init__(self, forwarded: ForwardedResponse, relay: StreamRelay) -> None:
+        super().__init__(content=relay, status_code=forwarded.status_code)
+        self.relay = relay
+        self.raw_headers = _raw(forwarded.headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.aclose()
+
+
+def _raw(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+
+
+def data_plane_router(service: RouterService) -> APIRouter:
+    router = APIRouter(tags=["data plane"])
+
+    async def proxy(request: Request, route: str) -> Response:
+        body = await request.body()
+        forwarded = await service.forwarder.forward(route, request.method, request.headers, body)
+        if forwarded.stream is not None:
+            return _RelayResponse(forwarded, forwarded.stream)
+        return _PassthroughResponse(forwarded)
+
+    @router.api_route(ROUTE_GENERATE, methods=["POST", "PUT"], summary="SGLang /generate, routed to one engine")
+    async def generate(request: Request) -> Response:
+        return await proxy(request, ROUTE_GENERATE)
+
+    @router.post(ROUTE_CHAT, summary="OpenAI chat completions, routed to one engine")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, ROUTE_CHAT)
+
+    @router.post(ROUTE_COMPLETIONS, summary="OpenAI completions, routed to one engine")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, ROUTE_COMPLETIONS)
+
+    return router
+
+
+# --- admin mirror -------------------------------------------------------------------------------------------------
+class EngineRef(BaseModel):
+    pool: str = ""
+    """Pool name; "" = the router's default pool."""
+    url: str
+    """Engine base URL, e.g. http://10.0.0.5:30000."""
+
+
+class RegisterEngineBody(EngineRef):
+    max_concurrency: int = Field(default=0, ge=0)
+    """0 = the engine's reported max_running_requests, else the router default."""
+
+
+class DrainEngineBody(EngineRef):
+    wait: bool = False
+    """Return only once nothing is in flight or queued (or timeout_s passed)."""
+    timeout_s: float = Field(default=0.0, ge=0)
+    """Wait limit, seconds (0 = the router's drain_timeout_s)."""
+
+
+class EngineInfoModel(BaseModel):
+    pool: str
+    url: str
+    state: str
+    source: str
+    weight_version: int
+    """-1 when unknown."""
+    in_flight: int
+    queued: int
+    queued_tokens: int
+    max_concurrency: int
+    num_sticky_keys: int
+    circuit_open: bool
+    kv_capacity_tokens: int
+    cache_tree_tokens: int
+
+    @classmethod
+    def of(cls, snapshot: EngineSnapshot) -> EngineInfoModel:
+        return cls(
+            pool=snapshot.pool,
+            url=snapshot.url,
+            state=snapshot.state.value,
+            source=snapshot.source.value,
+            weight_version=snapshot.weight_version if snapshot.weight_version is not None else -1,
+            in_flight=snapshot.in_flight,
+            queued=snapshot.queued,
+            queued_tokens=snapshot.queued_tokens,
+            max_concurrency=snapshot.max_concurrency,
+            num_sticky_keys=snapshot.num_sticky_keys,
+            circuit_open=snapshot.circuit_open,
+            kv_capacity_tokens=snapshot.kv_capacity_tokens or 0,
+            cache_tree_tokens=snapshot.cache_tree_tokens,
+        )
+
+
+class EngineResponse(BaseModel):
+    engine: EngineInfoModel
+
+
+class DeregisterResponse(BaseModel):
+    removed: bool
+
+
+class DrainResponse(BaseModel):
+    engine: EngineInfoModel
+    drained: bool
+
+
+class ListEnginesResponse(BaseModel):
+    engines: list[EngineInfoModel]
+
+
+class StatsResponse(BaseModel):
+    pool: str
+    policy: str
+    requests_total: int
+    retries_total: int
+    failures_total: int
+    sticky_hits_total: int
+    sticky_misses_total: int
+    sticky_new_keys_total: int
+    backpressure_total: int
+    version_conflicts_total: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    prefix_hit_rate: float
+    num_engines: int
+    num_healthy_engines: int
+
+    @classmethod
+    def of(cls, stats: PoolStatsSnapshot) -> StatsResponse:
+        return cls(
+            pool=stats.pool,
+            policy=stats.policy,
+            requests_total=stats.requests_total,
+            retries_total=stats.retries_total,
+            failures_total=stats.failures_total,
+            sticky_hits_total=stats.sticky_hits_total,
+            sticky_misses_total=stats.sticky_misses_total,
+            sticky_new_keys_total=stats.sticky_new_keys_total,
+            backpressure_total=stats.backpressure_total,
+            version_conflicts_total=stats.version_conflicts_total,
+            prompt_tokens_total=stats.prompt_tokens_total,
+            cached_tokens_total=stats.cached_tokens_total,
+            prefix_hit_rate=stats.prefix_hit_rate,
+            num_engines=stats.num_engines,
+            num_healthy_engines=stats.num_healthy_engines,
+        )
+
+
+def admin_router(service: RouterService) -> APIRouter:
+    router = APIRouter(prefix="/admin/v1", tags=["admin"])
+    admin = service.admin
+
+    @router.post("/engines", summary="RegisterEngine")
+    async def register_engine(body: RegisterEngineBody) -> EngineResponse:
+        snapshot = await admin.register_engine(body.pool, body.url, body.max_concurrency)
+        return EngineResponse(engine=EngineInfoModel.of(snapshot))
+
+    @router.post("/engines/deregister", summary="DeregisterEngine")
+    async def deregister_engine(body: EngineRef) -> DeregisterResponse:
+        return DeregisterResponse(removed=admin.deregister_engine(body.pool, body.url))
+
+    @router.post("/engines/drain", summary="DrainEngine")
+    async def drain_engine(body: DrainEngineBody) -> DrainResponse:
+        result = await admin.drain_engine(body.pool, body.url, body.wait, body.timeout_s)
+        return DrainResponse(engine=EngineInfoModel.of(result.engine), drained=result.drained)
+
+    @router.post("/engines/undrain", summary="UndrainEngine")
+    async def undrain_engine(body: EngineRef) -> EngineResponse:
+        return EngineResponse(engine=EngineInfoModel.of(await admin.undrain_engine(body.pool, body.url)))
+
+    @router.get("/engines", summary="ListEngines")
+    async def list_engines(pool: Annotated[str, Query(description='"" = every pool')] = "") -> ListEnginesResponse:
+        return ListEnginesResponse(engines=[EngineInfoModel.of(s) for s in admin.list_engines(pool)])
+
+    @router.get("/stats", summary="Stats")
+    async def stats(pool: Annotated[str, Query(description='"" = the default pool')] = "") -> StatsResponse:
+        return StatsResponse.of(admin.stats(pool))
+
+    return router
+
+
+def create_app(service: RouterService, metrics: Metrics) -> FastAPI:
+    """The router's FastAPI app (probes and metrics from miles.common)."""
+    app = create_http_app(
+        service="router",
+        metrics=metrics,
+        readiness_checks={"discovery": service.check_ready},
+        title="miles-rollout-router",
+    )
+    app.include_router(data_plane_router(service))
+    app.include_router(admin_router(service))
+    return app

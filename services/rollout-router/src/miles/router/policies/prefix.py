@@ -1,0 +1,86 @@
+"""The SGLang router's cache_aware decision over a token-level prefix tree (sglang-protocol.md §6.4).
+
+For one request among the candidates:
+1. If load is imbalanced — (max - min) > balance_abs_threshold and max > min * balance_rel_threshold, loads in
+   requests in flight + queued — take the least-loaded engine.
+2. Else match the prompt in the tree; the candidate with the longest match wins if matched / prompt length is
+   above cache_threshold (strictly), else the least-loaded engine.
+3. Record the prompt for the chosen engine in the tree (in every branch, as SGLang does), then evict that
+   engine's least recently used entries beyond its budget: the KV capacity the engine reports, else
+   cache_tree_max_tokens_per_engine.
+
+Differences from SGLang, on purpose: token ids instead of characters when the request has them; the winner is the
+candidate with the longest match (so an unavailable tenant on the deepest node costs nothing); the tree also
+learns each answer's output tokens (what the engine caches after the turn), so a conversation's next turn
+matches in full; an engine's entries are dropped when it loses its cache (new weights, restart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from miles.router.engine import Engine
+from miles.router.policies.base import least_loaded
+from miles.router.radix import RadixTree, num_units
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    cache_threshold: float
+    balance_abs_threshold: int
+    balance_rel_threshold: float
+    default_budget_tokens: int
+
+
+class PrefixIndex:
+    """A pool's prefix tree plus the cache_aware choice."""
+
+    def __init__(self, config: PrefixConfig) -> None:
+        self.config = config
+        self.tree = RadixTree()
+
+    def is_imbalanced(self, candidates: Sequence[Engine]) -> bool:
+        loads = [engine.slots.load_requests for engine in candidates]
+        max_load, min_load = max(loads), min(loads)
+        return (
+            max_load - min_load > self.config.balance_abs_threshold
+            and max_load > min_load * self.config.balance_rel_threshold
+        )
+
+    def best_match(self, key: bytes, candidates: Sequence[Engine]) -> tuple[Engine | None, float]:
+        """The candidate holding the longest prefix of `key` (fewest load on ties) and its match rate."""
+        if not key:
+            return None, 0.0
+        matched = self.tree.match(key)
+        best: Engine | None = None
+        best_len = 0
+        for engine in candidates:
+            length = matched.get(engine.url, 0)
+            if length > best_len or (
+                best is not None and length == best_len and engine.slots.load_requests < best.slots.load_requests
+            ):
+                best, best_len = engine, length
+        return best, best_len / num_units(key)
+
+    def choose(self, key: bytes, candidates: Sequence[Engine], tie_key: str) -> tuple[Engine, str]:
+        """cache_aware steps 1-2: (engine, branch) with branch in imbalanced | prefix | low_match."""
+        if len(candidates) > 1 and self.is_imbalanced(candidates):
+            return least_loaded(candidates, tie_key), "imbalanced"
+        best, rate = self.best_match(key, candidates)
+        if best is not None and rate > self.config.cache_threshold:
+            return best, "prefix"
+        return least_loaded(candidates, tie_key), "low_match"
+
+    def record(self, key: bytes, engine: Engine) -> None:
+        """Step 3: the engine now (probably) caches `key`; keep its share of the tree within budget."""
+        if not key:
+            return
+        self.tree.insert(key, engine.url)
+        self.tree.evict(engine.url, engine.kv_capacity_tokens or self.config.default_budget_tokens)
+
+    def forget(self, url: str) -> None:
+        self.tree.remove_tenant(url)
+
+    def units_of(self, url: str) -> int:
+        return self.tree.tenant_units(url)
