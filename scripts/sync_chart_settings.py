@@ -28,10 +28,11 @@ COMPONENT_SETTINGS = {
     "buffer": "miles.buffer.settings:BufferSettings",
     "sandboxGateway": "miles.sandbox.settings:SandboxSettings",
 }
-CHART_MANAGED = {"host", "port", "metrics_port", "redis_url"}
+CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url"}
 # Where an in-cluster install needs another default than a local process (field -> value).
 CHART_DEFAULTS: dict[str, dict[str, Any]] = {
     "sandboxGateway": {"backend": "kubernetes"},
+    "rolloutRouter": {"k8s_discovery": True},
 }
 _BLOCK_RE = re.compile(
     r"(?P<indent>[ ]*)# BEGIN generated from (?P<ref>[\w.:]+)[^\n]*\n.*?(?P=indent)# END generated[^\n]*\n", re.DOTALL

@@ -8,7 +8,9 @@ NetworkPolicies (shared and per job) are generated from this list; tests compare
 - {from: controller, to: session-server, port: http}
 - {from: session-server, to: rollout-router, port: http}
 - {from: weight-sync, to: rollout-router, port: http}
+- {from: weight-sync, to: rollout-router, port: admin}
 - {from: controller, to: rollout-router, port: http}
+- {from: controller, to: rollout-router, port: admin}
 - {from: rollout-worker, to: buffer, port: grpc}
 - {from: trainer, to: buffer, port: grpc}
 - {from: controller, to: buffer, port: grpc}

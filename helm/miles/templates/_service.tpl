@@ -75,6 +75,10 @@ spec:
             - name: MILES_{{ $c.envPrefix }}_METRICS_PORT
               value: {{ $c.ports.metrics | quote }}
             {{- end }}
+            {{- range $portName, $field := $c.portSettings }}
+            - name: MILES_{{ $c.envPrefix }}_{{ $field | upper }}
+              value: {{ index $c.ports $portName | quote }}
+            {{- end }}
             {{- if $c.usesRedis }}
             - name: MILES_{{ $c.envPrefix }}_REDIS_URL
               valueFrom:

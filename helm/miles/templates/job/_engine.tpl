@@ -154,6 +154,8 @@ metadata:
   name: {{ include "miles.job.name" $ctx }}
   labels:
     {{- include "miles.job.labels" $ctx | nindent 4 }}
+    # The rollout router discovers this pool's engines from the Service's EndpointSlices by this label.
+    miles.dev/pool: ${JOB_ID}
 spec:
   clusterIP: None
   publishNotReadyAddresses: false
