@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
 from pydantic import model_validator
 
 from miles.common.errors import ConfigError
@@ -60,3 +62,27 @@ def test_model_level_validator_failure_is_a_readable_config_error() -> None:
     with pytest.raises(ConfigError, match="settings: Value error, min_s must not exceed max_s") as failure:
         load_settings(RangeSettings, min_s=5.0)
     assert failure.value.field is None
+
+
+def test_config_file_provides_values_below_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = tmp_path / "example.json"
+    config.write_text(json.dumps({"capacity_groups": 7, "log_level": "DEBUG"}))
+    monkeypatch.setenv("MILES_EXAMPLE_CONFIG_FILE", str(config))
+    monkeypatch.setenv("MILES_EXAMPLE_LOG_LEVEL", "ERROR")
+    settings = load_settings(ExampleSettings)
+    assert settings.capacity_groups == 7
+    assert settings.log_level == "ERROR"
+
+
+def test_invalid_value_in_config_file_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = tmp_path / "example.json"
+    config.write_text(json.dumps({"capacity_groups": "many"}))
+    monkeypatch.setenv("MILES_EXAMPLE_CONFIG_FILE", str(config))
+    with pytest.raises(ConfigError, match="capacity_groups"):
+        load_settings(ExampleSettings)
+
+
+def test_missing_config_file_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MILES_EXAMPLE_CONFIG_FILE", str(tmp_path / "absent.json"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(ExampleSettings)

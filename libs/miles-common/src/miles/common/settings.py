@@ -4,14 +4,24 @@ A service declares `class BufferSettings(ServiceSettings)` with `model_config = 
 documents every field with a docstring, and calls `load_settings(BufferSettings)` once in `main()`. Invalid
 values stop the process at start-up with one readable message listing every bad field — never later, per
 request. The same field names appear in helm/miles/values.yaml.
+
+Sources, highest precedence first: explicit overrides (CLI flags), environment variables, then a JSON file
+named by the environment variable `MILES_<SERVICE>_CONFIG_FILE` (how per-job processes get their part of a
+job spec: the controller writes it, Kubernetes mounts it from the job's ConfigMap), then the defaults.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from miles.common.errors import ConfigError
 
@@ -52,6 +62,24 @@ class ServiceSettings(BaseSettings):
 
     shutdown_grace_s: float = 10.0
     """On SIGTERM, seconds in-flight requests get to finish before the server stops."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Overrides, then env, then the JSON file named by MILES_<SERVICE>_CONFIG_FILE (if set), then defaults."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(f"{settings_cls.model_config.get('env_prefix', '')}CONFIG_FILE")
+        if config_file:
+            if not os.path.isfile(config_file):
+                raise ConfigError(f"config file {config_file!r} does not exist", field="config_file")
+            sources.append(JsonConfigSettingsSource(settings_cls, json_file=config_file))
+        return tuple(sources)
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
