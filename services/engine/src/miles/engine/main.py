@@ -1,27 +1,114 @@
-"""Entry point of miles-engine: load settings, build the app, serve."""
+"""Entry point of miles-engine: read settings (flags or MILES_ENGINE_* variables), build the engine, serve.
+
+    miles-engine --model-path DIR [--port 30000] [--deterministic] [--fake-model] ...
+
+Every settings field is also a flag (`max_total_tokens` -> `--max-total-tokens`); flags win over the
+environment. torch is imported only when a real model is loaded, so `--help` and `--fake-model` start fast.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import time
+from typing import Any
 
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.engine.engine import Engine
+from miles.engine.http_api import add_routes
+from miles.engine.info import ServedModel
+from miles.engine.metrics import EngineMetrics
+from miles.engine.planning import Limits
+from miles.engine.radix_cache import RadixCache
+from miles.engine.runner import make_runner
+from miles.engine.scheduler import Scheduler
 from miles.engine.settings import EngineSettings
+from miles.engine.tokenizer import TextTokenizer
 
 SERVICE = "engine"
 
 
+def parse_flags(argv: list[str] | None) -> dict[str, Any]:
+    """Settings overrides from command-line flags (only the flags given)."""
+    parser = argparse.ArgumentParser(prog="miles-engine", description=__doc__.split("\n\n")[0])
+    for name, field in EngineSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = (field.description or "").replace("%", "%%")
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text)
+    return {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}
+
+
+def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, ServedModel]:
+    """Tokenizer, model runner (warmed up), prefix cache and the running scheduler."""
+    tokenizer = TextTokenizer(settings.resolved_tokenizer_path)
+    runner = make_runner(settings, tokenizer.num_regular_tokens)
+    runner.warmup()
+    info = runner.info
+    served_name = settings.resolved_served_model_name
+    scheduler = Scheduler(
+        runner,
+        RadixCache(enabled=not settings.disable_radix_cache),
+        tokenizer,
+        eos_token_ids=_eos_token_ids(settings, info.eos_token_ids, tokenizer.eos_token_id),
+        max_total_tokens=settings.max_total_tokens,
+        max_running_requests=settings.max_running_requests,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        weight_version=settings.weight_version,
+        metrics=EngineMetrics(metrics, served_name),
+    )
+    scheduler.start()
+    limits = Limits(info.vocab_size, settings.context_length or info.max_position_embeddings, settings.max_total_tokens)
+    served = ServedModel(
+        model_path=str(settings.model_path),
+        tokenizer_path=str(settings.resolved_tokenizer_path),
+        served_model_name=served_name,
+        created_s=int(time.time()),
+    )
+    return Engine(scheduler, runner, tokenizer, limits), served
+
+
+def _eos_token_ids(settings: EngineSettings, config_ids: tuple[int, ...], tokenizer_eos: int | None) -> frozenset[int]:
+    """End-of-sequence ids: config.json's, generation_config.json's and the tokenizer's (SGLang merges them)."""
+    ids = set(config_ids)
+    generation_config = settings.model_path / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
+    return frozenset(int(i) for i in ids)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="miles-engine", description=__doc__)
-    parser.parse_args(argv)
-    settings = load_settings(EngineSettings)
+    settings = load_settings(EngineSettings, **parse_flags(argv))
     configure_logging(SERVICE, settings.log_level, json_lines=settings.log_json)
     setup_tracing(SERVICE)
-    app = create_http_app(service=SERVICE, metrics=Metrics(SERVICE))
+    metrics = Metrics(SERVICE)
+    engine, served = build_engine(settings, metrics)
+
+    async def scheduler_alive() -> None:
+        if not engine.scheduler.alive:
+            raise RuntimeError("scheduler thread stopped")
+
+    async def stop_scheduler() -> None:
+        await asyncio.to_thread(engine.scheduler.stop)
+
+    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"scheduler": scheduler_alive})
+    add_routes(app, engine, settings, served)
     asyncio.run(
-        serve_async(http_app=app, http_host=settings.host, http_port=settings.port, grace_s=settings.shutdown_grace_s)
+        serve_async(
+            http_app=app,
+            http_host=settings.host,
+            http_port=settings.port,
+            grace_s=settings.shutdown_grace_s,
+            on_shutdown=[stop_scheduler],
+        )
     )

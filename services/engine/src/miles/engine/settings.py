@@ -1,6 +1,14 @@
-"""Settings of the engine (environment prefix MILES_ENGINE_), validated at start-up."""
+"""Settings of the engine (environment prefix MILES_ENGINE_, or the same names as --flags), validated at start-up.
+
+Field names follow SGLang's server arguments where one exists (model_path, served_model_name, context_length,
+max_total_tokens, max_running_requests, weight_version ...), so an operator reads them the same way.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
 
 from miles.common.settings import ServiceSettings, service_config
 
@@ -12,3 +20,62 @@ class EngineSettings(ServiceSettings):
 
     port: int = 30000
     """HTTP listening port."""
+
+    model_path: Path
+    """Hugging Face checkpoint directory: config.json, *.safetensors and the tokenizer files (tokenizer.json,
+    tokenizer_config.json). With fake_model only config.json and the tokenizer are read."""
+
+    tokenizer_path: Path | None = None
+    """Directory of tokenizer.json / tokenizer_config.json when not in model_path."""
+
+    served_model_name: str | None = None
+    """Name reported by /v1/models, /model_info and the metrics' model_name label (default: model_path)."""
+
+    context_length: int | None = Field(default=None, ge=2)
+    """Longest sequence (prompt + output) in tokens (default: the config's max_position_embeddings)."""
+
+    max_total_tokens: int = Field(default=65536, ge=16)
+    """KV-cache capacity in tokens, shared by running requests and the radix prefix cache (LRU-evicted)."""
+
+    max_running_requests: int = Field(default=256, ge=1)
+    """Most requests decoded together in one batch."""
+
+    max_prefill_tokens: int = Field(default=16384, ge=1)
+    """Most uncached prompt tokens prefilled in one step (a longer single prompt still runs alone)."""
+
+    weight_version: str = "default"
+    """Weight version reported before the first update (SGLang's --weight-version)."""
+
+    deterministic: bool = False
+    """Shape-invariant computation: a sequence gets bit-identical logprobs whatever it is batched with and
+    whether it is decoded incrementally or scored in one prefill (slower; see miles.model.kernels)."""
+
+    disable_radix_cache: bool = False
+    """Never reuse cached prefixes (cached_tokens is then always 0)."""
+
+    num_threads: int = Field(default=0, ge=0)
+    """torch intra-op threads for the fast path (0: torch's default)."""
+
+    fake_model: bool = False
+    """Replace the transformer by a cheap deterministic sampler over the tokenizer's vocabulary (same protocol,
+    scheduler and radix-cache accounting; torch is never imported). For load tests of the layers above."""
+
+    fake_prefill_token_cost_s: float = Field(default=0.0, ge=0.0)
+    """fake_model: seconds spent per prompt token that is not served from the cache."""
+
+    fake_decode_token_cost_s: float = Field(default=0.0, ge=0.0)
+    """fake_model: seconds spent per generated token (a decode step of 8 requests costs 8 times this)."""
+
+    fake_eos_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    """fake_model: chance that a sampled token is the end-of-sequence token."""
+
+    health_generate_timeout_s: float = Field(default=20.0, gt=0.0)
+    """/health_generate answers 503 when its one-token generation takes longer than this."""
+
+    @property
+    def resolved_tokenizer_path(self) -> Path:
+        return self.tokenizer_path or self.model_path
+
+    @property
+    def resolved_served_model_name(self) -> str:
+        return self.served_model_name or str(self.model_path)

@@ -1,0 +1,124 @@
+"""The architecture description of a checkpoint, read from its Hugging Face `config.json`.
+
+Supported: decoder-only transformers of the Llama family as Hugging Face writes them — Qwen3 (RMSNorm, RoPE,
+GQA attention with per-head q/k RMSNorm, SwiGLU MLP), Qwen2 (q/k/v bias, no q/k norm), Llama and Mistral
+without sliding windows. RoPE scaling variants (YaRN, linear, dynamic, llama3), sliding-window attention and
+MoE layers are refused with a clear error rather than silently computed wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.model.errors import UnsupportedModelError
+
+_ARCH_FLAGS: dict[str, tuple[bool, bool]] = {
+    # model_type: (q/k RMSNorm per head, bias on q/k/v projections by default)
+    "qwen3": (True, False),
+    "qwen2": (False, True),
+    "llama": (False, False),
+    "mistral": (False, False),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of one decoder-only transformer. Invariant: num_attention_heads is a multiple of
+    num_key_value_heads (grouped-query attention)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    architectures: tuple[str, ...]
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Parse a Hugging Face config dict; raises UnsupportedModelError for anything computed differently."""
+        model_type = str(raw.get("model_type", ""))
+        if model_type not in _ARCH_FLAGS:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_ARCH_FLAGS))})"
+            )
+        qk_norm, default_bias = _ARCH_FLAGS[model_type]
+        _refuse_unsupported_features(raw)
+        hidden_size = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads != 0:
+            raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads}")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(int(x) for x in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        bos = raw.get("bos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qk_norm=qk_norm,
+            attention_bias=bool(raw.get("attention_bias", default_bias)),
+            eos_token_ids=eos_ids,
+            bos_token_id=None if bos is None else int(bos),
+            architectures=tuple(str(a) for a in raw.get("architectures") or ()),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Read `config.json` of a checkpoint directory."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise UnsupportedModelError(f"{path} does not exist")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(raw.get("rope_theta", 10000.0))
+
+
+def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
+    scaling = raw.get("rope_scaling")
+    params = raw.get("rope_parameters")
+    rope_type = None
+    if isinstance(scaling, dict):
+        rope_type = scaling.get("rope_type") or scaling.get("type")
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", rope_type)
+    if rope_type not in (None, "default"):
+        raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not supported")
+    if raw.get("use_sliding_window") or (raw.get("model_type") == "mistral" and raw.get("sliding_window")):
+        raise UnsupportedModelError("sliding-window attention is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    if raw.get("num_experts") or raw.get("num_local_experts"):
+        raise UnsupportedModelError("mixture-of-experts layers are not supported")

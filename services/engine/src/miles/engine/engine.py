@@ -1,0 +1,239 @@
+"""The engine core as the HTTP layer sees it: async operations over the scheduler thread (no web framework).
+
+`Engine` validates and plans /generate bodies, submits sequences, turns the scheduler's updates into SGLang
+response objects (whole or streamed), and runs the control operations (abort, pause/continue, weight updates,
+flush, health generation). The scheduler's updates arrive through `loop.call_soon_threadsafe` into one queue per
+request. Leaving a request early (client gone, task cancelled) aborts its unfinished sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from miles.common.errors import MilesError
+from miles.engine.errors import BadRequestError
+from miles.engine.output import ResponseBuilder
+from miles.engine.planning import GeneratePlan, Limits, PlannedSequence, plan_generate
+from miles.engine.protocol import GenerateRequest
+from miles.engine.requests import LogprobOptions, SamplingParams, Sequence, SeqUpdate
+from miles.engine.runner import Runner
+from miles.engine.scheduler import Scheduler
+from miles.engine.tokenizer import TextTokenizer
+from miles.engine.weights import decode_payloads
+
+_Updates = asyncio.Queue[tuple[int, SeqUpdate]]
+
+
+class EngineInternalError(MilesError):
+    """A sequence failed inside the engine (a model forward raised); the engine keeps serving."""
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: TextTokenizer, limits: Limits) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._inflight_rids: set[str] = set()
+
+    # ---- generation -----------------------------------------------------------------------------------------
+    def plan(self, request: GenerateRequest) -> GeneratePlan:
+        """Validate a /generate body; raises BadRequestError (rids in flight included) before any reply starts."""
+        plan = plan_generate(request, self.tokenizer, self.limits)
+        self._check_rids(plan)
+        return plan
+
+    def _check_rids(self, plan: GeneratePlan) -> None:
+        rids = [s.rid for s in plan.sequences]
+        if len(set(rids)) != len(rids) or self._inflight_rids.intersection(rids):
+            raise BadRequestError("Duplicate request ID detected")
+
+    async def generate(self, plan: GeneratePlan) -> dict[str, Any] | list[dict[str, Any]]:
+        """Run a planned request to the end: one response object, or a list for batches and n > 1."""
+        builders, queue = await self._start(plan)
+        try:
+            while not all(b.finished for b in builders):
+                index, update = await queue.get()
+                builders[index].apply(update)
+        finally:
+            self._leave(builders)
+        for builder in builders:
+            if builder.finish is not None and builder.finish.status_code == 500:
+                raise EngineInternalError(builder.finish.message or "internal error")
+        responses = [_rendered(b) for b in builders]
+        return responses if plan.is_batch else responses[0]
+
+    async def stream(self, plan: GeneratePlan) -> AsyncIterator[dict[str, Any]]:
+        """Chunks as SGLang streams them: cumulative, `index` on batch items, the finish reason on the last."""
+        builders, queue = await self._start(plan)
+        try:
+            while not all(b.finished for b in builders):
+                index, update = await queue.get()
+                builder = builders[index]
+                builder.apply(update)
+                chunk = builder.render()
+                if chunk is None:
+                    continue
+                if plan.is_batch:
+                    chunk["index"] = index
+                yield chunk
+        finally:
+            self._leave(builders)
+
+    async def _start(self, plan: GeneratePlan) -> tuple[list[ResponseBuilder], _Updates]:
+        self._check_rids(plan)  # again: another request may have taken a rid since plan()
+        self._inflight_rids.update(s.rid for s in plan.sequences)
+        try:
+            for prompt, namespace in plan.warmup_prompts:
+                await self._prefill_only(prompt, namespace)
+        except BaseException:
+            self._inflight_rids.difference_update(s.rid for s in plan.sequences)
+            raise
+        loop = asyncio.get_running_loop()
+        queue: _Updates = asyncio.Queue()
+        arrival_s = time.monotonic()
+        builders = []
+        for index, planned in enumerate(plan.sequences):
+            builders.append(
+                ResponseBuilder(
+                    rid=planned.rid,
+                    prompt_ids=planned.prompt_ids,
+                    sampling=planned.sampling,
+                    options=planned.logprobs,
+                    tokenizer=self.tokenizer,
+                    arrival_time_s=arrival_s,
+                    return_prompt_token_ids=plan.return_prompt_token_ids,
+                )
+            )
+            self.scheduler.submit(_sequence(planned, _emitter(loop, queue, index), arrival_s))
+        return builders, queue
+
+    def _leave(self, builders: list[ResponseBuilder]) -> None:
+        for builder in builders:
+            if not builder.finished:
+                self.scheduler.abort(builder.rid, abort_all=False, exact=True)
+            self._inflight_rids.discard(builder.rid)
+
+    async def _run_internal(self, prompt: list[int], max_new_tokens: int, namespace: str | None) -> SeqUpdate:
+        loop = asyncio.get_running_loop()
+        queue: _Updates = asyncio.Queue()
+        planned = PlannedSequence(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}" if max_new_tokens else f"WARMUP_{uuid.uuid4().hex}",
+            prompt,
+            SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+            LogprobOptions(),
+            max_new_tokens,
+            namespace,
+        )
+        seq = _sequence(planned, _emitter(loop, queue, 0), time.monotonic(), internal=True)
+        self.scheduler.submit(seq)
+        try:
+            while True:
+                _, update = await queue.get()
+                if update.finish is not None:
+                    return update
+        finally:
+            if seq.state != "finished":
+                self.scheduler.abort(seq.rid, abort_all=False, exact=True)
+
+    async def _prefill_only(self, prompt: list[int], namespace: str | None) -> None:
+        """SGLang's n > 1 warm-up: prefill the prompt once so that every sample finds it cached."""
+        await self._run_internal(prompt, 0, namespace)
+
+    async def health_generate(self, timeout_s: float) -> bool:
+        """One greedy token from input_ids [0]; False while paused or when it takes longer than timeout_s."""
+        if self.scheduler.paused is not None:
+            return False
+        try:
+            update = await asyncio.wait_for(self._run_internal([0], 1, None), timeout_s)
+        except TimeoutError:
+            return False
+        return update.finish is not None and update.finish.kind != "abort"
+
+    # ---- control --------------------------------------------------------------------------------------------
+    async def abort(self, rid: str, abort_all: bool) -> int:
+        return await asyncio.wrap_future(self.scheduler.abort(rid, abort_all))
+
+    async def pause(self, mode: str) -> int:
+        return await asyncio.wrap_future(self.scheduler.pause(mode))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self.scheduler.resume())
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | None, abort_all: bool, flush_cache: bool
+    ) -> int:
+        """Load a checkpoint directory; returns the number of requests held by a pause. Raises WeightUpdateError."""
+        prepared = await asyncio.to_thread(self.runner.prepare_weights_from_disk, model_path)
+        return await self._apply(prepared, weight_version, abort_all, flush_cache, "disk")
+
+    async def update_weights_from_tensor(
+        self,
+        serialized: list[str],
+        load_format: str | None,
+        *,
+        weight_version: str | None,
+        abort_all: bool,
+        flush_cache: bool,
+    ) -> int:
+        payloads = decode_payloads(serialized, load_format)
+        prepared = await asyncio.to_thread(self.runner.prepare_weights_from_tensors, payloads)
+        return await self._apply(prepared, weight_version, abort_all, flush_cache, "tensor")
+
+    async def _apply(
+        self, prepared: Any, weight_version: str | None, abort_all: bool, flush_cache: bool, source: str
+    ) -> int:
+        held = self.scheduler.snapshot()
+        num_paused = held.num_running_reqs + held.num_waiting_reqs if held.paused else 0
+        future = self.scheduler.update_weights(
+            prepared, flush_cache=flush_cache, weight_version=weight_version, abort_all=abort_all, source=source
+        )
+        await asyncio.wrap_future(future)
+        return num_paused
+
+    async def update_weight_version(self, version: str, abort_all: bool) -> None:
+        await asyncio.wrap_future(self.scheduler.set_weight_version(version, abort_all))
+
+    async def flush_cache(self, timeout_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await asyncio.wrap_future(self.scheduler.flush_cache()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: _Updates, index: int) -> Any:
+    def emit(update: SeqUpdate) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, update))
+
+    return emit
+
+
+def _sequence(planned: PlannedSequence, emit: Any, arrival_s: float, *, internal: bool = False) -> Sequence:
+    seed = planned.sampling.sampling_seed
+    return Sequence(
+        rid=planned.rid,
+        prompt_ids=planned.prompt_ids,
+        sampling=planned.sampling,
+        logprobs=planned.logprobs,
+        max_new_tokens=planned.max_new_tokens,
+        emit=emit,
+        arrival_time_s=arrival_s,
+        internal=internal,
+        namespace=planned.namespace,
+        rng=random.Random(seed if seed is not None else secrets.randbits(64)),
+    )
+
+
+def _rendered(builder: ResponseBuilder) -> dict[str, Any]:
+    response = builder.render()
+    assert response is not None, "a finished response is never held back"
+    return response

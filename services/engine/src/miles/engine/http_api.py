@@ -1,0 +1,193 @@
+"""HTTP routes of the engine: SGLang's native protocol over `Engine` (parse, call the core, shape the reply).
+
+Status and body conventions copied from SGLang: /generate errors are 400 `{"error": {"message": ...}}`;
+request-schema errors are 400 `{"object": "error", "message", "type": "Bad Request", "param": null,
+"code": 400}`; streams are `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`; weight updates answer
+`{"success", "message", ...}` with 200 or 400. /health is a plain 200 once started (SGLang with
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, so that pauses and weight updates never make a router drop the
+engine); /health_generate really generates one token and answers 503 while paused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from miles.common.errors import MilesError
+from miles.engine.engine import Engine
+from miles.engine.errors import WeightUpdateError
+from miles.engine.info import ServedModel, legacy_load, loads, model_info, models, server_info
+from miles.engine.planning import GeneratePlan
+from miles.engine.protocol import (
+    AbortRequestBody,
+    ContinueGenerationBody,
+    GenerateRequest,
+    MemoryOccupationBody,
+    PauseGenerationBody,
+    UpdateWeightsFromDiskBody,
+    UpdateWeightsFromTensorBody,
+    UpdateWeightVersionBody,
+)
+from miles.engine.settings import EngineSettings
+
+FLUSH_MESSAGE = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+_GENERATE_OPENAPI = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}}}
+}
+
+
+def _schema_error(errors: Sequence[Any]) -> JSONResponse:
+    problems = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}" for err in errors)
+    body = {"object": "error", "message": problems or "invalid request", "type": "Bad Request", "param": None}
+    return JSONResponse({**body, "code": 400}, status_code=400)
+
+
+def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: ServedModel) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def handle_schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _schema_error(exc.errors())
+
+    @app.api_route(
+        "/generate",
+        methods=["POST", "PUT"],
+        response_model=None,
+        openapi_extra=_GENERATE_OPENAPI,
+    )
+    async def generate(request: Request) -> Response:
+        # Parsed by hand: SGLang reads the body as JSON whatever the Content-Type says.
+        try:
+            body = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return _schema_error(exc.errors())
+        plan = engine.plan(body)
+        if plan.stream:
+            return StreamingResponse(_sse(engine, plan), media_type="text/event-stream")
+        return JSONResponse(await engine.generate(plan))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        ok = await engine.health_generate(settings.health_generate_timeout_s)
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(engine, served)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(engine, settings, served)
+
+    @app.get("/get_weight_version")
+    @app.get("/weight_version")
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": engine.scheduler.weight_version}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return models(engine, served)
+
+    @app.get("/v1/loads")
+    async def get_loads() -> dict[str, Any]:
+        return loads(engine, settings)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        return legacy_load(engine)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: float = 0.0) -> PlainTextResponse:  # noqa: ASYNC109 (SGLang's query name)
+        flushed = await engine.flush_cache(timeout)
+        return PlainTextResponse(FLUSH_MESSAGE, status_code=200 if flushed else 400)
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequestBody) -> Response:
+        await engine.abort(body.rid, body.abort_all)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationBody | None = None) -> dict[str, str]:
+        await engine.pause((body or PauseGenerationBody()).mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(body: ContinueGenerationBody | None = None) -> dict[str, str]:
+        await engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskBody) -> JSONResponse:
+        try:
+            num_paused = await engine.update_weights_from_disk(
+                body.model_path,
+                weight_version=body.weight_version,
+                abort_all=body.abort_all_requests,
+                flush_cache=body.flush_cache,
+            )
+        except WeightUpdateError as exc:
+            return JSONResponse({"success": False, "message": exc.message, "num_paused_requests": 0}, 400)
+        served.model_path = body.model_path
+        message = "Succeeded to update model weights." + _version_note(body.weight_version)
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": num_paused})
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> JSONResponse:
+        try:
+            await engine.update_weights_from_tensor(
+                body.serialized_named_tensors,
+                body.load_format,
+                weight_version=body.weight_version,
+                abort_all=body.abort_all_requests,
+                flush_cache=body.flush_cache,
+            )
+        except WeightUpdateError as exc:
+            return JSONResponse({"success": False, "message": exc.message}, 400)
+        message = "Succeeded to update model weights." + _version_note(body.weight_version)
+        return JSONResponse({"success": True, "message": message})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionBody) -> dict[str, Any]:
+        await engine.update_weight_version(body.new_version, body.abort_all_requests)
+        message = f"Weight version updated to {body.new_version}"
+        return {"success": True, "message": message, "new_version": body.new_version}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
+        tags = (body or MemoryOccupationBody()).tags
+        if (tags is None or "kv_cache" in tags) and not await engine.flush_cache():
+            return JSONResponse({"error": {"message": "the engine is not idle"}}, status_code=400)
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
+        return JSONResponse(None)
+
+
+def _version_note(weight_version: str | None) -> str:
+    return "" if weight_version is None else f" Weight version updated to {weight_version}."
+
+
+async def _sse(engine: Engine, plan: GeneratePlan) -> AsyncIterator[str]:
+    try:
+        async for chunk in engine.stream(plan):
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    except MilesError as exc:
+        error = {"message": exc.message, "type": "invalid_request_error", "code": exc.http_status, "retryable": False}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,83 @@
+"""The interface between the scheduler and what computes tokens, and `make_runner` that picks one.
+
+A runner turns a batch of `ForwardItem`s (new tokens of several sequences) into `ForwardResult`s: the next token
+sampled for each sequence that asks, its logprobs, and the logprobs of prompt tokens when asked. It also owns
+the sequences' KV storage (opaque to the scheduler) and weight loading:
+
+- `TorchRunner` (torch_runner.py): the real transformer from miles.model;
+- `FakeRunner` (fake_runner.py): a deterministic hash-based sampler with a configurable cost per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from miles.engine.requests import Sequence, TokenLogprobs
+from miles.engine.settings import EngineSettings
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """Feed `token_ids` of `seq` at positions [start_pos, start_pos + len). With `sample`, draw the next token
+    from the last position. With `input_logprob_from` = a, also return the logprobs of the tokens at positions
+    a+1 .. start_pos+len-1, each given the tokens before it (a >= start_pos)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+    input_logprob_from: int | None = None
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    next_token: TokenLogprobs | None
+    input_logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine reports about the model it serves."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Runner(Protocol):
+    info: ModelInfo
+
+    def warmup(self) -> None:
+        """Run each code path once so that the first request does not pay for lazy initialisation."""
+
+    def new_kv(self, capacity: int, prefix_blocks: Seq[Any]) -> Any:
+        """Storage for a sequence of up to `capacity` tokens, its first positions copied from `prefix_blocks`."""
+
+    def export_kv(self, kv: Any, start: int, end: int) -> Any:
+        """A copy of positions [start, end) for the prefix cache (a KVBlock, or None when nothing is stored)."""
+
+    def forward(self, items: list[ForwardItem]) -> list[ForwardResult]: ...
+
+    def prepare_weights_from_disk(self, model_path: str) -> Any:
+        """Read and validate a checkpoint directory (off the scheduler thread); raises WeightUpdateError."""
+
+    def prepare_weights_from_tensors(self, payloads: list[bytes]) -> Any:
+        """Decode and validate named tensors (safetensors bytes; any subset of the weights)."""
+
+    def apply_weights(self, prepared: Any) -> None:
+        """Swap the prepared weights in (scheduler thread, between steps)."""
+
+
+def make_runner(settings: EngineSettings, num_regular_tokens: int) -> Runner:
+    """The fake runner for --fake-model (torch never imported), else the torch transformer."""
+    if settings.fake_model:
+        from miles.engine.fake_runner import FakeRunner
+
+        return FakeRunner(settings, num_regular_tokens)
+    from miles.engine.torch_runner import TorchRunner
+
+    return TorchRunner(settings)

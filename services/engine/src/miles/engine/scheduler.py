@@ -1,0 +1,432 @@
+"""The scheduler: one thread that owns every sequence, the KV budget and the prefix cache, and steps the model.
+
+Each loop turn runs the commands sent by the HTTP side (submit, abort, pause, weight updates, flush), then one
+step: a pending weight update if its barrier is reached, else a prefill of newly admitted sequences, else one
+decode step of every running sequence (continuous batching: new sequences join between decode steps).
+
+Memory model (SGLang's): a token budget `max_total_tokens` shared by the radix cache and running sequences. A
+sequence is admitted when its uncached prompt tokens plus its remaining max_new_tokens fit, after evicting
+least-recently-used cache leaves if needed; its matched prefix is locked in the cache until it finishes. Once
+finished, its prompt + output except the last token is inserted into the cache (the last token never went
+through the model). Sequences admitted before a cache flush do not insert (their KV may predate new weights).
+
+Pause modes: `abort` answers every in-flight sequence with an abort; `retract` moves running sequences back to
+the queue and frees their KV (re-prefilled on continue, cached_tokens not recounted); `in_place` just stops
+stepping. While paused, new sequences queue and wait. A weight update waits for the sequences that arrived
+before it to finish (new ones queue behind it) unless generation is paused, then it applies at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from miles.engine.metrics import EngineMetrics
+from miles.engine.radix_cache import RadixCache, cached_tokens_limit
+from miles.engine.requests import FinishReason, LoadSnapshot, Sequence, SeqUpdate, TokenLogprobs
+from miles.engine.runner import ForwardItem, ForwardResult, Runner
+from miles.engine.stopping import finish_reason_after
+from miles.engine.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class _PendingUpdate:
+    prepared: Any
+    flush_cache: bool
+    weight_version: str | None
+    barrier: int
+    source: str
+    future: Future[str]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: Runner,
+        cache: RadixCache,
+        tokenizer: TextTokenizer,
+        *,
+        eos_token_ids: frozenset[int],
+        max_total_tokens: int,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        weight_version: str,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self._runner = runner
+        self._cache = cache
+        self._tokenizer = tokenizer
+        self._eos_ids = eos_token_ids
+        self.max_total_tokens = max_total_tokens
+        self._max_running = max_running_requests
+        self._max_prefill_tokens = max_prefill_tokens
+        self._weight_version = weight_version
+        self._metrics = metrics
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake = threading.Event()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._pending_updates: list[_PendingUpdate] = []
+        self._reserved_tokens = 0
+        self._order = itertools.count()
+        self._epoch = 0
+        self._paused: str | None = None
+        self._last_hit_rate = 0.0
+        self._last_throughput = 0.0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="miles-engine-scheduler", daemon=True)
+
+    # ---- called from other threads -------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def submit(self, seq: Sequence) -> None:
+        self._call(lambda: self._enqueue(seq))
+
+    def abort(self, rid: str, abort_all: bool, *, exact: bool = False) -> Future[int]:
+        """Abort every sequence whose rid starts with `rid` (equals it with exact=True), or all of them."""
+
+        def matches(seq: Sequence) -> bool:
+            if abort_all:
+                return True
+            return bool(rid) and (seq.rid == rid if exact else seq.rid.startswith(rid))
+
+        return self._call(lambda: self._abort_matching(matches))
+
+    def pause(self, mode: str) -> Future[int]:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}")
+        return self._call(lambda: self._pause(mode))
+
+    def resume(self) -> Future[None]:
+        return self._call(lambda: setattr(self, "_paused", None))
+
+    def update_weights(
+        self, prepared: Any, *, flush_cache: bool, weight_version: str | None, abort_all: bool, source: str
+    ) -> Future[str]:
+        result: Future[str] = Future()
+
+        def command() -> None:
+            if abort_all:
+                self._abort_matching(lambda s: True)
+            barrier = next(self._order)
+            self._pending_updates.append(_PendingUpdate(prepared, flush_cache, weight_version, barrier, source, result))
+
+        self._call(command)
+        return result
+
+    def set_weight_version(self, version: str, abort_all: bool) -> Future[None]:
+        def command() -> None:
+            if abort_all:
+                self._abort_matching(lambda s: True)
+            self._weight_version = version
+
+        return self._call(command)
+
+    def flush_cache(self) -> Future[bool]:
+        """Empty the prefix cache if no sequence holds KV, i.e. none is running. SGLang also refuses while
+        sequences wait in the queue, which blocks flushing after pause(retract); RL frameworks patch that out
+        (e.g. slime), and queued sequences hold no KV here, so we allow it."""
+        return self._call(self._flush_if_idle)
+
+    def snapshot(self) -> LoadSnapshot:
+        cache = self._cache
+        return LoadSnapshot(
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=len(self._waiting),
+            num_waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in list(self._waiting)),
+            num_used_tokens=self._used_tokens(),
+            max_total_num_tokens=self.max_total_tokens,
+            num_cached_tokens=cache.num_tokens,
+            cache_hit_rate=self._last_hit_rate,
+            gen_throughput=self._last_throughput,
+            paused=self._paused,
+        )
+
+    def _call(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # reported to the caller, the scheduler keeps serving
+                future.set_exception(exc)
+
+        self._commands.append(run)
+        self._wake.set()
+        return future
+
+    # ---- scheduler thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            while self._commands:
+                self._commands.popleft()()
+            progressed = self._step()
+            self._publish_gauges()
+            if not progressed and not self._commands:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _step(self) -> bool:
+        if self._pending_updates and (self._paused is not None or self._update_barrier_reached()):
+            self._apply_update(self._pending_updates.pop(0))
+            return True
+        if self._paused is not None:
+            return False
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+            return True
+        if self._running:
+            self._decode()
+            return True
+        return False
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.arrival_order = next(self._order)
+        seq.state = "waiting"
+        self._waiting.append(seq)
+
+    def _used_tokens(self) -> int:
+        cache = self._cache
+        return cache.num_tokens + cache.num_detached_tokens + self._reserved_tokens
+
+    def _available_tokens(self) -> int:
+        return self.max_total_tokens - self._used_tokens()
+
+    def _admit(self) -> list[tuple[Sequence, int]]:
+        admitted: list[tuple[Sequence, int]] = []
+        prefill_budget = self._max_prefill_tokens
+        while self._waiting and len(self._running) + len(admitted) < self._max_running:
+            seq = self._waiting[0]
+            if self._pending_updates and seq.arrival_order > self._pending_updates[0].barrier:
+                break
+            tokens = seq.all_ids
+            first = seq.cached_tokens is None
+            options = seq.logprobs
+            limit = cached_tokens_limit(len(tokens), first and options.return_logprob, options.logprob_start_len)
+            match = self._cache.match(tokens, limit, seq.namespace)
+            num_new = len(tokens) - match.length
+            if admitted and num_new > prefill_budget:
+                break
+            self._cache.lock(match.node)
+            need = num_new + seq.remaining_new_tokens
+            if need > self._available_tokens():
+                self._cache.evict(need - self._available_tokens())
+                if need > self._available_tokens():
+                    self._cache.unlock(match.node)
+                    break
+            seq.kv = self._runner.new_kv(len(tokens) + seq.remaining_new_tokens, match.kv_blocks)
+            seq.prefix_node, seq.reserved_tokens, seq.cache_epoch = match.node, need, self._epoch
+            self._reserved_tokens += need
+            if first:
+                seq.cached_tokens = match.length
+            if self._metrics is not None:
+                self._metrics.observe_admission(seq, time.monotonic())
+            seq.state = "running"
+            self._waiting.popleft()
+            admitted.append((seq, match.length))
+            prefill_budget -= num_new
+        return admitted
+
+    def _prefill(self, admitted: list[tuple[Sequence, int]]) -> None:
+        items = []
+        for seq, matched in admitted:
+            start = seq.logprobs.logprob_start_len
+            wants_inputs = not seq.prefilled and seq.logprobs.return_logprob and 0 <= start < len(seq.prompt_ids)
+            sample = seq.remaining_new_tokens > 0
+            items.append(ForwardItem(seq, seq.all_ids[matched:], matched, sample, start if wants_inputs else None))
+            self._running.append(seq)
+        total = sum(len(s.all_ids) for s, _ in admitted)
+        self._last_hit_rate = sum(m for _, m in admitted) / total if total else 0.0
+        results = self._forward("prefill", items)
+        if results is None:
+            return
+        for item, result in zip(items, results, strict=True):
+            seq = item.seq
+            input_logprobs = None
+            cached = None
+            if not seq.prefilled:
+                seq.prefilled = True
+                cached = seq.cached_tokens
+                if seq.logprobs.return_logprob:
+                    input_logprobs = _input_logprobs(seq, item, result)
+            if result.next_token is None:
+                self._finish(seq, FinishReason.max_length(seq.max_new_tokens), cached, input_logprobs)
+            else:
+                self._advance(seq, result.next_token, cached, input_logprobs)
+
+    def _decode(self) -> None:
+        items = [
+            ForwardItem(seq, [seq.output_ids[-1]], len(seq.prompt_ids) + len(seq.output_ids) - 1, True)
+            for seq in self._running
+        ]
+        started = time.monotonic()
+        results = self._forward("decode", items)
+        if results is None:
+            return
+        self._last_throughput = len(items) / max(time.monotonic() - started, 1e-9)
+        for item, result in zip(items, results, strict=True):
+            assert result.next_token is not None
+            self._advance(item.seq, result.next_token, None, None)
+
+    def _forward(self, kind: str, items: list[ForwardItem]) -> list[ForwardResult] | None:
+        started = time.monotonic()
+        try:
+            results = self._runner.forward(items)
+        except Exception as exc:
+            log.exception("model forward failed; failing the sequences of this step", extra={"kind": kind})
+            for item in items:
+                reason = FinishReason("abort", message=f"internal error: {exc}", status_code=500)
+                self._finish(item.seq, reason, insert=False)
+            return None
+        if self._metrics is not None:
+            self._metrics.observe_forward(kind, sum(len(i.token_ids) for i in items), time.monotonic() - started)
+        return results
+
+    def _advance(
+        self,
+        seq: Sequence,
+        entry: TokenLogprobs,
+        cached: int | None,
+        input_logprobs: tuple[TokenLogprobs | None, ...] | None,
+    ) -> None:
+        seq.output_ids.append(entry.token_id)
+        now = time.monotonic()
+        if self._metrics is not None:
+            self._metrics.observe_token(seq, now)
+        seq.last_token_time_s = now
+        reason = finish_reason_after(seq, entry.token_id, self._tokenizer, self._eos_ids)
+        if reason is not None:
+            self._finish(seq, reason, cached, input_logprobs, new_entry=entry)
+            return
+        seq.emit(SeqUpdate((entry.token_id,), (entry,), cached, input_logprobs, None, self._weight_version))
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        cached: int | None = None,
+        input_logprobs: tuple[TokenLogprobs | None, ...] | None = None,
+        *,
+        new_entry: TokenLogprobs | None = None,
+        insert: bool = True,
+    ) -> None:
+        if seq.state == "running":
+            self._release(seq, insert=insert)
+        elif seq.state == "waiting":
+            self._waiting.remove(seq)
+        seq.state = "finished"
+        new_ids = () if new_entry is None else (new_entry.token_id,)
+        new_entries = () if new_entry is None else (new_entry,)
+        seq.emit(SeqUpdate(new_ids, new_entries, cached, input_logprobs, reason, self._weight_version))
+        if self._metrics is not None:
+            self._metrics.observe_finish(seq, reason, time.monotonic())
+
+    def _release(self, seq: Sequence, *, insert: bool) -> None:
+        """Give back a running sequence's KV: insert it into the cache (same epoch only), unlock, unreserve."""
+        if insert and seq.cache_epoch == self._epoch and seq.prefilled:
+            num_committed = len(seq.prompt_ids) + max(len(seq.output_ids) - 1, 0)
+            kv = seq.kv
+            self._cache.insert(
+                seq.all_ids[:num_committed], lambda s, e: self._runner.export_kv(kv, s, e), seq.namespace
+            )
+        self._cache.unlock(seq.prefix_node)
+        self._reserved_tokens -= seq.reserved_tokens
+        seq.prefix_node, seq.reserved_tokens, seq.kv = None, 0, None
+        self._running.remove(seq)
+
+    def _abort_matching(self, predicate: Callable[[Sequence], bool]) -> int:
+        targets = [s for s in (*self._waiting, *self._running) if predicate(s)]
+        for seq in targets:
+            self._finish(seq, FinishReason.abort(waiting=seq.state == "waiting"))
+        return len(targets)
+
+    def _pause(self, mode: str) -> int:
+        count = len(self._running) + len(self._waiting)
+        if mode == "abort":
+            self._abort_matching(lambda s: True)
+        elif mode == "retract":
+            retracted = list(self._running)
+            for seq in retracted:
+                self._release(seq, insert=False)
+                seq.state = "waiting"
+                seq.num_retractions += 1
+                if self._metrics is not None:
+                    self._metrics.retractions.inc()
+            self._waiting.extendleft(reversed(retracted))
+        self._paused = mode
+        return count
+
+    def _update_barrier_reached(self) -> bool:
+        barrier = self._pending_updates[0].barrier
+        return not self._running and all(s.arrival_order > barrier for s in self._waiting)
+
+    def _apply_update(self, update: _PendingUpdate) -> None:
+        started = time.monotonic()
+        try:
+            self._runner.apply_weights(update.prepared)
+        except Exception as exc:
+            log.exception("applying weights failed", extra={"source": update.source})
+            if self._metrics is not None:
+                self._metrics.observe_weight_update(update.source, time.monotonic() - started, ok=False)
+            update.future.set_exception(exc)
+            return
+        if update.flush_cache:
+            self._flush()
+        if update.weight_version is not None:
+            self._weight_version = update.weight_version
+        if self._metrics is not None:
+            self._metrics.observe_weight_update(update.source, time.monotonic() - started, ok=True)
+        update.future.set_result(self._weight_version)
+
+    def _flush(self) -> None:
+        self._cache.flush()
+        self._epoch += 1
+
+    def _flush_if_idle(self) -> bool:
+        if self._running:
+            return False
+        self._flush()
+        return True
+
+    def _publish_gauges(self) -> None:
+        if self._metrics is not None:
+            self._metrics.publish(self.snapshot(), self._cache.num_tokens, self._cache.num_evicted_tokens)
+
+
+def _input_logprobs(seq: Sequence, item: ForwardItem, result: ForwardResult) -> tuple[TokenLogprobs | None, ...]:
+    """SGLang's input_token_logprobs: prompt[start:] where the first entry has no logprob."""
+    start = item.input_logprob_from
+    if start is None:
+        return ()
+    first = TokenLogprobs(seq.prompt_ids[start], None)
+    return (first, *result.input_logprobs)

@@ -1,0 +1,62 @@
+"""Shared fixtures of the engine tests: the tiny model (built once per session) and real engine processes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from miles.common.testing import ServiceProcess, free_port
+from miles.common.testing.smoke import console_script
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny Qwen3 model, built by our own builder into a temporary directory."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@dataclass
+class RunningEngine:
+    """A miles-engine subprocess and an HTTP client to it."""
+
+    url: str
+    process: ServiceProcess
+    client: httpx.Client
+
+    def generate(self, **body: Any) -> Any:
+        response = self.client.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def post(self, path: str, body: Any = None) -> httpx.Response:
+        return self.client.post(path, json=body)
+
+
+EngineFactory = Callable[..., contextlib.AbstractContextManager[RunningEngine]]
+
+
+@pytest.fixture(scope="session")
+def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> EngineFactory:
+    """`with engine_factory(model_dir, "--deterministic", ...) as engine:` a real miles-engine on a free port."""
+
+    @contextlib.contextmanager
+    def start(model_dir: Path, *flags: str) -> Iterator[RunningEngine]:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [console_script("miles-engine"), "--model-path", str(model_dir), "--port", str(port), *flags]
+        log_path = tmp_path_factory.mktemp("engine-logs") / f"engine-{port}.log"
+        with (
+            ServiceProcess(argv, ready_url=f"{url}/readyz", log_path=log_path) as process,
+            httpx.Client(base_url=url, timeout=120.0) as client,
+        ):
+            yield RunningEngine(url, process, client)
+
+    return start
