@@ -32,7 +32,9 @@ class _EmbeddedUvicornServer(uvicorn.Server):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket; port 0 picks a free port (read it back with getsockname())."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it
+    # Nagle + delayed ACK add ~40 ms to every response.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
