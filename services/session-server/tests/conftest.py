@@ -1,16 +1,26 @@
-"""Shared fixtures of the session-server tests: TITO tokenizers on the real offline assets.
+"""Shared fixtures of the session-server tests: TITO tokenizers on the real offline assets, model directories,
+a scripted SGLang-protocol engine, and real engine / session-server subprocesses.
 
 Tests run with --import-mode=importlib, so helpers are handed out as fixtures rather than imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import Request  # module level: FastAPI resolves the route's string annotations here
 
+from miles.common.testing import ServiceProcess, free_port
+from miles.common.testing.smoke import console_script
 from miles.session.tito import Family, TitoTokenizer, get_family
 from miles.session.tito.assets import verification_codec
 
@@ -62,3 +72,338 @@ def qwen3() -> TitoTokenizer:
 @pytest.fixture(scope="session")
 def glm47() -> TitoTokenizer:
     return make_tito("glm-4.7")
+
+
+# --- session service fixtures ---------------------------------------------------------------------------------
+
+OPERATOR_TOKEN = "op-" + "x" * 40
+QWEN3_EOS_ID = 151645
+
+
+def _write_qwen3_model_dir(folder: Path) -> Path:
+    """A model directory in the Hugging Face layout: the real Qwen3 tokenizer files (with Qwen3's chat template)
+    and a config.json (enough for `miles-engine --fake-model`)."""
+    from miles.session.tito.assets import bundled_tokenizer_dir
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(bundled_tokenizer_dir("qwen3") / name, folder / name)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "eos_token_id": QWEN3_EOS_ID,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_qwen3_model_dir(tmp_path_factory.mktemp("models") / "qwen3-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny Qwen3 model (`make tiny-model`'s output when present, else built here)."""
+    made = Path(__file__).resolve().parents[3] / ".miles" / "models" / "tiny-qwen3"
+    if (made / "model.safetensors").is_file():
+        return made
+    engine_tiny_model = pytest.importorskip("miles.engine.tiny_model")
+    return Path(engine_tiny_model.build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3"))
+
+
+class _ThreadServer:
+    """An ASGI app served by uvicorn in a daemon thread on a free port (an in-test HTTP peer)."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.requests: list[dict[str, Any]] = []
+        """Every /generate request: {"body", "headers"}."""
+        self.responses: list[dict[str, Any]] = []
+        """Every finished generation: {"input_ids", "output_ids", "logprobs", "cached_tokens"}."""
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def app(self) -> Any:
+        raise NotImplementedError
+
+    def record(self, input_ids: list[int], final: dict[str, Any]) -> None:
+        entries = final["meta_info"]["output_token_logprobs"]
+        self.responses.append(
+            {
+                "input_ids": input_ids,
+                "output_ids": [e[1] for e in entries],
+                "logprobs": [e[0] for e in entries],
+                "cached_tokens": final["meta_info"].get("cached_tokens"),
+            }
+        )
+
+    def start(self) -> Any:
+        import uvicorn
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+class ScriptedEngine(_ThreadServer):
+    """A test engine speaking SGLang's native /generate (exact shapes: 3-element logprob entries, finish_reason
+    objects, cumulative or delta SSE chunks ending in [DONE]) whose completions are scripted text.
+
+    Used where the real tiny model cannot help: a random model never emits a tool call, an error status or a
+    malformed body. Completion i is `script[i % len(script)]` encoded with the real Qwen3 tokenizer + <|im_end|>;
+    the logprob of a token is a deterministic function of its position; cached_tokens is the longest prefix shared
+    with an earlier prompt (a radix cache's answer).
+    """
+
+    def __init__(self, codec: Any) -> None:
+        super().__init__()
+        self.codec = codec
+        self.script: list[str] = ["Hello."]
+        self.delta_stream = False
+        self.fail_next: list[tuple[int, Any]] = []
+        """(status, body) answered instead of the next generations, in order."""
+        self._seen: list[list[int]] = []
+        self._num_calls = 0
+
+    @staticmethod
+    def logprob(position: int) -> float:
+        return -0.01 * (1 + position % 50)
+
+    def _cached(self, prompt: list[int]) -> int:
+        best = 0
+        for old in self._seen:
+            n = 0
+            while n < min(len(old), len(prompt)) and old[n] == prompt[n]:
+                n += 1
+            best = max(best, n)
+        self._seen.append(list(prompt))
+        return min(best, len(prompt) - 1)
+
+    def _body(self, prompt: list[int], ids: list[int], finish: Any, cached: int) -> dict[str, Any]:
+        entries = [[self.logprob(len(prompt) + i), t, None] for i, t in enumerate(ids)]
+        return {
+            "text": self.codec.decode(ids),
+            "output_ids": ids,
+            "meta_info": {
+                "id": "rid",
+                "finish_reason": finish,
+                "weight_version": "3",
+                "prompt_tokens": len(prompt),
+                "cached_tokens": cached,
+                "completion_tokens": len(ids),
+                "output_token_logprobs": entries,
+            },
+        }
+
+    def app(self) -> Any:
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Any:
+            body = await request.json()
+            self.requests.append({"body": body, "headers": dict(request.headers)})
+            if self.fail_next:
+                status, payload = self.fail_next.pop(0)
+                if isinstance(payload, str):
+                    return PlainTextResponse(payload, status_code=status)
+                return JSONResponse(payload, status_code=status)
+            prompt = body["input_ids"]
+            text = self.script[self._num_calls % len(self.script)]
+            self._num_calls += 1
+            ids = [*self.codec.encode(text), QWEN3_EOS_ID]
+            max_new = (body.get("sampling_params") or {}).get("max_new_tokens")
+            finish: dict[str, Any] = {"type": "stop", "matched": QWEN3_EOS_ID}
+            if max_new is not None and len(ids) > max_new:
+                ids, finish = ids[:max_new], {"type": "length", "length": max_new}
+            cached = self._cached(prompt)
+            self.record(prompt, self._body(prompt, ids, finish, cached))
+            if not body.get("stream"):
+                return JSONResponse(self._body(prompt, ids, finish, cached))
+
+            async def events() -> Any:
+                for n in range(1, len(ids) + 1):
+                    chunk = self._body(prompt, ids[:n], finish if n == len(ids) else None, cached)
+                    if self.delta_stream:
+                        chunk["meta_info"]["output_token_logprobs"] = chunk["meta_info"]["output_token_logprobs"][-1:]
+                        chunk["output_ids"] = ids[n - 1 : n]
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return app
+
+
+class RecordingProxy(_ThreadServer):
+    """A pass-through /generate proxy in front of a real engine (where the router sits), recording every request
+    and the engine's final answer, so tests can check what the engine really consumed and sampled."""
+
+    def __init__(self, engine_url: str) -> None:
+        super().__init__()
+        self.engine_url = engine_url
+
+    def app(self) -> Any:
+        import httpx
+        from fastapi import FastAPI
+        from fastapi.responses import Response, StreamingResponse
+
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Any:
+            body = await request.json()
+            self.requests.append({"body": body, "headers": dict(request.headers)})
+            client = httpx.AsyncClient(base_url=self.engine_url, timeout=300)
+            if not body.get("stream"):
+                reply = await client.post("/generate", json=body)
+                await client.aclose()
+                if reply.status_code == 200:
+                    self.record(body["input_ids"], reply.json())
+                return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+
+            async def events() -> Any:
+                last: dict[str, Any] | None = None
+                async with client.stream("POST", "/generate", json=body) as reply:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {"):
+                            last = json.loads(line[len("data: ") :])
+                        yield line + "\n"
+                await client.aclose()
+                if last is not None:
+                    self.record(body["input_ids"], last)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return app
+
+
+@pytest.fixture(scope="session")
+def recording_proxy_class() -> type[RecordingProxy]:
+    return RecordingProxy
+
+
+@pytest.fixture(scope="session")
+def qwen3_codec(qwen3_model_dir: Path) -> Any:
+    from miles.session.tito import HFTokenizerCodec
+
+    return HFTokenizerCodec.from_file(qwen3_model_dir)
+
+
+@pytest.fixture
+def scripted_engine(qwen3_codec: Any) -> Iterator[ScriptedEngine]:
+    engine = ScriptedEngine(qwen3_codec).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def start_process(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """`with start_process(argv, env) as url:` a real subprocess on a free port ({port} in argv/env is replaced)."""
+
+    @contextlib.contextmanager
+    def start(argv: list[str], env: dict[str, str] | None = None, *, ready_timeout_s: float = 120.0) -> Iterator[str]:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [a.replace("{port}", str(port)) for a in argv]
+        env = {k: v.replace("{port}", str(port)) for k, v in (env or {}).items()}
+        log_path = tmp_path_factory.mktemp("logs") / f"{Path(argv[0]).name}-{port}.log"
+        process = ServiceProcess(argv, ready_url=f"{url}/readyz", env=env, log_path=log_path)
+        with process.start(ready_timeout_s=ready_timeout_s):
+            yield url
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def fake_engine_url(
+    qwen3_model_dir: Path, start_process: Callable[..., contextlib.AbstractContextManager[str]]
+) -> Iterator[str]:
+    """A real `miles-engine --fake-model` (deterministic hash sampler, no torch; real protocol and scheduler)."""
+    argv = [console_script("miles-engine"), "--model-path", str(qwen3_model_dir), "--port", "{port}", "--fake-model"]
+    with start_process(argv) as url:
+        yield url
+
+
+def _session_env(redis_url: str, upstream_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
+    env = {
+        "MILES_SESSION_PORT": "{port}",
+        "MILES_SESSION_REDIS_URL": redis_url,
+        "MILES_SESSION_UPSTREAM_URL": upstream_url,
+        "MILES_SESSION_OPERATOR_TOKEN": OPERATOR_TOKEN,
+        "MILES_SESSION_DEFAULT_MODEL_PATH": str(model_dir),
+        "MILES_SESSION_DEFAULT_MODEL_FAMILY": "qwen3",
+        "MILES_SESSION_DEFAULT_ENGINE_POOL": "pool-a",
+        "MILES_SESSION_LOG_JSON": "false",
+    }
+    return {**env, **extra}
+
+
+@pytest.fixture(scope="session")
+def session_env() -> Callable[..., dict[str, str]]:
+    """`session_env(redis_url, upstream_url, model_dir, **extra)`: a session server's environment ({port} free)."""
+    return _session_env
+
+
+@pytest.fixture(scope="session")
+def session_server_argv() -> list[str]:
+    return [console_script("miles-session-server")]
+
+
+@pytest.fixture(scope="session")
+def operator_token() -> str:
+    return OPERATOR_TOKEN
+
+
+@pytest.fixture(scope="session")
+def shared_models() -> Any:
+    """One model cache for every in-process app of the test session (a tokenizer load takes ~1 s)."""
+    from miles.session.model_assets import ModelRegistry
+
+    return ModelRegistry(cache_size=4)
+
+
+@pytest.fixture
+def make_session_app(
+    qwen3_model_dir: Path, shared_models: Any
+) -> Callable[..., contextlib.AbstractAsyncContextManager[Any]]:
+    """`async with make_session_app(upstream_url, **settings) as client:` the service in-process (httpx ASGI)."""
+    import httpx
+
+    from miles.common.telemetry import Metrics
+    from miles.session.main import build_service
+    from miles.session.settings import SessionSettings
+
+    @contextlib.asynccontextmanager
+    async def start(upstream_url: str, **overrides: Any) -> Any:
+        values: dict[str, Any] = {
+            "store_backend": "memory",
+            "upstream_url": upstream_url,
+            "operator_token": OPERATOR_TOKEN,
+            "default_model_path": str(qwen3_model_dir),
+            "default_model_family": "qwen3",
+            "default_engine_pool": "pool-a",
+            **overrides,
+        }
+        app = build_service(SessionSettings(**values), Metrics("session"), models=shared_models)
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://s") as c:
+            c.app = app  # type: ignore[attr-defined]
+            yield c
+
+    return start

@@ -1,18 +1,55 @@
-"""Entry point of miles-session-server: load settings, build the app, serve."""
+"""Entry point of miles-session-server: load settings, build the store, models, engine client and core, serve."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
-from miles.common.http import create_http_app
+from fastapi import FastAPI
+
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.session.core import SessionCore
+from miles.session.http_api import build_app
+from miles.session.metrics import SessionMetrics
+from miles.session.model_assets import ModelRegistry
 from miles.session.settings import SessionSettings
+from miles.session.store import make_store
+from miles.session.turns import TurnRunner
+from miles.session.upstream import EngineClient
 
 SERVICE = "session"
+logger = logging.getLogger(__name__)
+
+
+def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelRegistry | None = None) -> FastAPI:
+    """The whole service as an ASGI app (also used in-process by tests, which may share one `models` cache)."""
+    store = make_store(settings)
+    models = models or ModelRegistry(settings.model_cache_size)
+    engine = EngineClient(
+        settings.upstream_url,
+        timeout_s=settings.upstream_timeout_s,
+        connect_timeout_s=settings.upstream_connect_timeout_s,
+        max_connections=settings.upstream_max_connections,
+        retry_after_s=settings.upstream_retry_after_s,
+    )
+    session_metrics = SessionMetrics(metrics)
+    turns = TurnRunner(store=store, models=models, engine=engine, metrics=session_metrics)
+    core = SessionCore(settings=settings, store=store, models=models, turns=turns, metrics=session_metrics)
+
+    async def close() -> None:
+        await engine.close()
+        await store.close()
+
+    operator_token = settings.operator_token.get_secret_value()
+    if not operator_token:
+        logger.warning("no operator_token: operator routes are open to local callers (loopback development mode)")
+    return build_app(
+        core, metrics, operator_token=operator_token, max_body_bytes=settings.max_body_bytes, on_shutdown=close
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = load_settings(SessionSettings)
     configure_logging(SERVICE, settings.log_level, json_lines=settings.log_json)
     setup_tracing(SERVICE)
-    app = create_http_app(service=SERVICE, metrics=Metrics(SERVICE))
+    app = build_service(settings, Metrics(SERVICE))
     asyncio.run(
         serve_async(http_app=app, http_host=settings.host, http_port=settings.port, grace_s=settings.shutdown_grace_s)
     )

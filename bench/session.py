@@ -1,0 +1,242 @@
+"""make bench-session: what a turn through the session server costs, against a bare HTTP proxy hop to the same engine.
+
+Both paths talk to one zero-latency engine: a minimal SGLang-protocol /generate (started by this script as a
+subprocess) that answers at once with a fixed 4-token completion in the exact response shape (3-element logprob
+entries, finish_reason object). `miles-engine --fake-model` is not used here: its scheduler loop alone takes tens of
+milliseconds per request on a busy 2-core machine and would hide the layer being measured. What differs is the layer
+in front of the engine:
+- session: a real `miles-session-server` (Redis store, real Qwen3 tokenizer, qwen3 family) serving an agent
+  episode of TURNS turns through OpenAI chat completions (auth, per-session lock, TITO for the new messages,
+  /generate, completion parsing, fenced commit);
+- proxy: a minimal Starlette + httpx pass-through (the cheapest Python hop one could put there) forwarding the very
+  /generate requests the session server sent (the same prompt ids and sampling params, read back from the
+  session's records).
+Rounds alternate the two paths (noise hits both alike); the per-turn medians and their ratio are printed
+(`session_overhead_ratio=<x>`) and written to bench/results/session.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles.common.testing import RedisServer, ServiceProcess, free_port
+from miles.common.testing.smoke import console_script
+
+TURNS = 8
+ROUNDS = 6
+MAX_TOKENS = 16
+COMPLETION_IDS = [2009, 2814, 13, 151645]
+"""The zero-latency engine's answer: " All done." + <|im_end|> in the Qwen3 vocabulary."""
+OPERATOR_TOKEN = "bench-" + "t" * 40
+RESULTS = Path(__file__).resolve().parent / "results" / "session.json"
+_SENTENCE = "The build failed on step {i}: check the cache key, the lock file and the worker logs. "
+
+
+def _model_dir(scratch: Path) -> Path:
+    """The real Qwen3 tokenizer (with its chat template) and a config.json, as a model directory."""
+    from miles.session.tito.assets import bundled_tokenizer_dir
+
+    folder = scratch / "qwen3"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(bundled_tokenizer_dir("qwen3") / name, folder / name)
+    config = {"model_type": "qwen3", "vocab_size": 151936, "max_position_embeddings": 32768, "eos_token_id": 151645}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _serve(role: str, port: int, upstream: str) -> None:
+    """`engine`: the zero-latency /generate; `proxy`: the bare hop to `upstream` (both with /readyz)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    client = httpx.AsyncClient(base_url=upstream or "http://unused", timeout=60)
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        reply = await client.post("/generate", content=body, headers={"content-type": "application/json"})
+        return Response(reply.content, status_code=reply.status_code, media_type="application/json")
+
+    async def generate(request: Request) -> Response:
+        num_prompt = len(json.loads(await request.body())["input_ids"])
+        meta = {
+            "id": "bench",
+            "finish_reason": {"type": "stop", "matched": COMPLETION_IDS[-1]},
+            "weight_version": "1",
+            "prompt_tokens": num_prompt,
+            "cached_tokens": num_prompt - 1,
+            "completion_tokens": len(COMPLETION_IDS),
+            "output_token_logprobs": [[-0.5, token, None] for token in COMPLETION_IDS],
+        }
+        return JSONResponse({"text": " All done.", "output_ids": COMPLETION_IDS, "meta_info": meta})
+
+    async def ready(_: Request) -> Response:
+        return JSONResponse({"status": "ready"})
+
+    route = Route("/generate", forward if role == "proxy" else generate, methods=["POST"])
+    uvicorn.run(Starlette(routes=[route, Route("/readyz", ready)]), host="127.0.0.1", port=port, log_level="warning")
+
+
+def _episode(client: httpx.Client) -> tuple[list[float], list[dict[str, Any]]]:
+    """One session of TURNS turns: per-turn seconds, and the /generate bodies the server sent (from its records)."""
+    op = {"authorization": f"Bearer {OPERATOR_TOKEN}"}
+    created = client.post("/v1/sessions", json={}, headers=op).json()
+    sid, auth = created["session_id"], {"authorization": f"Bearer {created['token']}"}
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are a build assistant."}]
+    seconds = []
+    for turn in range(TURNS):
+        history.append({"role": "user", "content": "".join(_SENTENCE.format(i=turn * 3 + k) for k in range(3))})
+        body = {"messages": history, "max_tokens": MAX_TOKENS, "temperature": 0}
+        started = time.perf_counter()
+        response = client.post(f"/v1/sessions/{sid}/v1/chat/completions", json=body, headers=auth)
+        seconds.append(time.perf_counter() - started)
+        response.raise_for_status()
+        history.append(response.json()["choices"][0]["message"])
+    view = client.get(f"/v1/sessions/{sid}", headers=auth).json()
+    client.delete(f"/v1/sessions/{sid}", headers=auth)
+    ids = view["accumulated_token_ids"]
+    params = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "stop_token_ids": [151645]}
+    bodies = [
+        {"input_ids": ids[: r["prompt_len"]], "sampling_params": params, "return_logprob": True, "stream": False}
+        for r in view["records"]
+    ]
+    return seconds, bodies
+
+
+def _replay(client: httpx.Client, bodies: list[dict[str, Any]]) -> list[float]:
+    seconds = []
+    for body in bodies:
+        started = time.perf_counter()
+        client.post("/generate", json=body).raise_for_status()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def _median_ms(client: httpx.Client, path: str) -> float:
+    """Median of a trivial GET: the HTTP stack's own floor, for reading the turn numbers."""
+    seconds = []
+    for _ in range(20):
+        started = time.perf_counter()
+        client.get(path).raise_for_status()
+        seconds.append(time.perf_counter() - started)
+    return round(statistics.median(seconds) * 1e3, 3)
+
+
+def _phase_means_ms(metrics: str) -> dict[str, float]:
+    """Mean milliseconds per turn phase, from the server's own histograms (warm-up included)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith(
+            ("miles_session_turn_phase_duration_seconds_sum", "miles_session_turn_duration_seconds_sum")
+        ):
+            name, value = line.rsplit(" ", 1)
+            sums[name.split('phase="')[-1].rstrip('"}') if "phase" in name else "turn"] = float(value)
+        if line.startswith(
+            ("miles_session_turn_phase_duration_seconds_count", "miles_session_turn_duration_seconds_count")
+        ):
+            name, value = line.rsplit(" ", 1)
+            counts[name.split('phase="')[-1].rstrip('"}') if "phase" in name else "turn"] = float(value)
+    for line in metrics.splitlines():
+        if "chat/completions" in line and line.startswith("miles_session_http_request_duration_seconds_"):
+            name, value = line.rsplit(" ", 1)
+            key = "http_request"
+            if name.startswith("miles_session_http_request_duration_seconds_sum"):
+                sums[key] = float(value)
+            elif name.startswith("miles_session_http_request_duration_seconds_count"):
+                counts[key] = float(value)
+    return {k: round(1e3 * sums[k] / counts[k], 3) for k in sums if counts.get(k)}
+
+
+def main() -> None:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-session-"))
+    model_dir = _model_dir(scratch)
+    redis_server = RedisServer(scratch / "redis", free_port())
+    redis_server.start()
+    engine_port, session_port, proxy_port = free_port(), free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    engine_argv = [sys.executable, __file__, "--serve", "engine", str(engine_port), ""]
+    session_env = {
+        "MILES_SESSION_PORT": str(session_port),
+        "MILES_SESSION_REDIS_URL": redis_server.url,
+        "MILES_SESSION_UPSTREAM_URL": engine_url,
+        "MILES_SESSION_OPERATOR_TOKEN": OPERATOR_TOKEN,
+        "MILES_SESSION_DEFAULT_MODEL_PATH": str(model_dir),
+        "MILES_SESSION_DEFAULT_MODEL_FAMILY": "qwen3",
+        "MILES_SESSION_LOG_LEVEL": "WARNING",
+    }
+    proxy_argv = [sys.executable, __file__, "--serve", "proxy", str(proxy_port), engine_url]
+    session_times: list[float] = []
+    phases: dict[str, float] = {}
+    floors: dict[str, float] = {}
+    proxy_times: list[float] = []
+    try:
+        with (
+            ServiceProcess(engine_argv, ready_url=f"{engine_url}/readyz", log_path=scratch / "e.log"),
+            ServiceProcess(
+                [console_script("miles-session-server")],
+                ready_url=f"http://127.0.0.1:{session_port}/readyz",
+                env=session_env,
+                log_path=scratch / "s.log",
+            ),
+            ServiceProcess(proxy_argv, ready_url=f"http://127.0.0.1:{proxy_port}/readyz", log_path=scratch / "p.log"),
+            httpx.Client(base_url=f"http://127.0.0.1:{session_port}", timeout=60) as session_client,
+            httpx.Client(base_url=f"http://127.0.0.1:{proxy_port}", timeout=60) as proxy_client,
+        ):
+            _episode(session_client)  # warm-up: tokenizer caches, connections
+            for _ in range(ROUNDS):
+                seconds, bodies = _episode(session_client)
+                session_times += seconds
+                proxy_times += _replay(proxy_client, bodies)
+            phases = _phase_means_ms(session_client.get("/metrics").text)
+            floors = {
+                "session_healthz_ms": _median_ms(session_client, "/healthz"),
+                "proxy_readyz_ms": _median_ms(proxy_client, "/readyz"),
+            }
+    finally:
+        redis_server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    session_ms, proxy_ms = statistics.median(session_times) * 1e3, statistics.median(proxy_times) * 1e3
+    ratio = session_ms / proxy_ms
+    result = {
+        "session_overhead_ratio": round(ratio, 3),
+        "session_turn_median_ms": round(session_ms, 3),
+        "proxy_turn_median_ms": round(proxy_ms, 3),
+        "overhead_ms": round(session_ms - proxy_ms, 3),
+        "server_side_mean_ms": phases,
+        "http_floor_ms": floors,
+        "turns": TURNS,
+        "rounds": ROUNDS,
+        "max_tokens": MAX_TOKENS,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    more_ms = session_ms - proxy_ms
+    print(f"session turn median {session_ms:.2f} ms, bare proxy hop {proxy_ms:.2f} ms ({more_ms:.2f} ms more)")
+    print(f"inside the session server, mean ms per turn: {phases}; trivial GET medians: {floors}")
+    print(f"session_overhead_ratio={ratio:.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--serve", nargs=3, metavar=("ROLE", "PORT", "UPSTREAM"), help="internal: engine or proxy")
+    args = parser.parse_args()
+    if args.serve:
+        _serve(args.serve[0], int(args.serve[1]), args.serve[2])
+    else:
+        main()

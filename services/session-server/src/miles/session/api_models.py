@@ -1,0 +1,121 @@
+"""Request and response bodies of the HTTP API (pydantic; their JSON schemas are published in the OpenAPI).
+
+Bodies are flat on purpose (messages and tools stay plain JSON objects: TITO validates them and names the bad
+field), so every schema is self-contained.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from miles.session.records import SAMPLING_KEYS
+
+JOB_ID_PATTERN = r"^[^\s{}/]{1,200}$"
+
+
+def check_sampling_keys(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    unknown = sorted(set(value or {}) - SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(SAMPLING_KEYS)}")
+    return value
+
+
+class JobConfigBody(BaseModel):
+    """PUT /v1/jobs/{job_id}/config: how the job's sessions are served (registered by the controller)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1, description="Model directory readable by every replica (HF layout)")
+    model_family: str = Field(min_length=1, description="TITO family, e.g. qwen3 (`miles-tito families`)")
+    engine_pool: str = Field(default="default", min_length=1, description="Sent as X-Miles-Pool")
+    max_context_tokens: int | None = Field(default=None, ge=2, description="Default: config.json's")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = Field(default_factory=dict, description="SGLang sampling_params")
+
+    _sampling = field_validator("sampling_defaults")(check_sampling_keys)
+
+
+class CreateSessionRequest(BaseModel):
+    """POST /v1/sessions (every field optional; an empty body is fine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    episode_id: str | None = Field(default=None, min_length=1, max_length=200)
+    model_family: str | None = Field(default=None, description="Overrides the job's TITO family")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Merged over the job's")
+    sampling_defaults: dict[str, Any] | None = Field(default=None, description="Merged over the job's")
+    metadata: dict[str, Any] | None = None
+    ttl_s: float | None = Field(default=None, gt=0, description="Idle expiry; default: the server's default_ttl_s")
+
+    _sampling = field_validator("sampling_defaults")(check_sampling_keys)
+
+
+class CreateSessionResponse(BaseModel):
+    session_id: str
+    base_url: str = Field(description="OpenAI base URL for the agent: <server>/v1/sessions/<id>/v1")
+    token: str = Field(description="The session's capability token: the agent's api_key")
+    ttl_s: float
+
+
+class SamplesRequest(BaseModel):
+    """POST /v1/sessions/{id}/samples."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["merge", "per_turn"] = "merge"
+    max_seq_len: int | None = Field(default=None, ge=1, description="Prompt + every turn, in tokens")
+    reward: float = Field(default=0.0, description="Copied into every sample")
+    group_id: str = ""
+    metadata: dict[str, Any] | None = Field(default=None, description="Merged into every sample's metadata")
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("reward must be finite")
+        return value
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI Chat Completions, as a session serves it. Unknown OpenAI fields (user, metadata, ...) are ignored.
+
+    `tool_choice` is accepted but not enforced (the model decides); `n` must be 1.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    model: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1, le=1)
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported (no constrained decoding)")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))

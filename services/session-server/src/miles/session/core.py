@@ -1,0 +1,289 @@
+"""SessionCore: the session-server without its web framework (the HTTP layer parses, calls this, maps errors).
+
+Owns: job model configs, session creation (model config resolved once: job config, else the server's default
+model, then the session's overrides), capability-token checks, the session view (GET), samples, deletion and the
+expiry reaper. A chat turn is `TurnRunner` (turns.py). Every piece of session state is in the store, so any
+replica can serve any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from miles.common.errors import ConfigError, MilesError
+from miles.session import samples_wire
+from miles.session.api_models import ChatCompletionRequest, CreateSessionRequest, JobConfigBody, SamplesRequest
+from miles.session.errors import (
+    InvalidJobConfigError,
+    InvalidRequestError,
+    JobNotFoundError,
+    SessionNotFoundError,
+    WrongTokenError,
+)
+from miles.session.metrics import SessionMetrics
+from miles.session.model_assets import ModelRegistry, SessionModel
+from miles.session.records import Json, ModelConfig, SessionMeta, SessionState, TurnRecord
+from miles.session.samples import SampleData, build_samples
+from miles.session.settings import SessionSettings
+from miles.session.store import SessionStore
+from miles.session.tito import ComparisonResult, UnknownFamilyError, get_family
+from miles.session.turns import TurnRunner
+
+logger = logging.getLogger(__name__)
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CreatedSession:
+    session_id: str
+    token: str
+    ttl_s: float
+
+
+class SessionCore:
+    def __init__(
+        self,
+        *,
+        settings: SessionSettings,
+        store: SessionStore,
+        models: ModelRegistry,
+        turns: TurnRunner,
+        metrics: SessionMetrics,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.models = models
+        self.turns = turns
+        self.metrics = metrics
+
+    # --- job configs ---------------------------------------------------------------------------------------
+
+    async def put_job_config(self, job_id: str, body: JobConfigBody) -> ModelConfig:
+        """Validate (family known, tokenizer loads, kwargs allowed by the family) and store a job's model config."""
+        config = ModelConfig(**body.model_dump())
+        await self._check_model(config)
+        await self.store.put_job_config(job_id, config)
+        return config
+
+    async def get_job_config(self, job_id: str) -> ModelConfig:
+        config = await self.store.get_job_config(job_id)
+        if config is None:
+            raise JobNotFoundError(f"no model config is registered for job {job_id!r}", field="job_id")
+        return config
+
+    async def delete_job_config(self, job_id: str) -> None:
+        if not await self.store.delete_job_config(job_id):
+            raise JobNotFoundError(f"no model config is registered for job {job_id!r}", field="job_id")
+
+    async def _check_model(self, config: ModelConfig) -> None:
+        try:
+            get_family(config.model_family)
+        except UnknownFamilyError as exc:
+            raise InvalidJobConfigError(exc.message, field="model_family") from None
+        try:
+            await self.models.get(config)
+        except MilesError as exc:
+            if exc.http_status >= 500:
+                message = f"model_path {config.model_path!r}: {exc.message}"
+                raise InvalidJobConfigError(message, field="model_path") from None
+            raise
+
+    async def _default_config(self) -> ModelConfig | None:
+        if self.settings.default_model_path is None:
+            return None
+        return ModelConfig(
+            model_path=self.settings.default_model_path,
+            model_family=self.settings.default_model_family,
+            engine_pool=self.settings.default_engine_pool,
+            max_context_tokens=self.settings.default_max_context_tokens,
+        )
+
+    # --- sessions ------------------------------------------------------------------------------------------
+
+    async def _resolve_model(self, request: CreateSessionRequest) -> ModelConfig:
+        config = await self.store.get_job_config(request.job_id) if request.job_id else None
+        config = config or await self._default_config()
+        if config is None:
+            if request.job_id:
+                raise JobNotFoundError(
+                    f"no model config is registered for job {request.job_id!r} and the server has no default model",
+                    field="job_id",
+                )
+            raise InvalidRequestError("no job_id given and the server has no default model", field="job_id")
+        return dataclasses.replace(
+            config,
+            model_family=request.model_family or config.model_family,
+            chat_template_kwargs={**config.chat_template_kwargs, **(request.chat_template_kwargs or {})},
+            sampling_defaults={**config.sampling_defaults, **(request.sampling_defaults or {})},
+        )
+
+    async def create(self, request: CreateSessionRequest) -> CreatedSession:
+        config = await self._resolve_model(request)
+        try:
+            get_family(config.model_family)
+        except UnknownFamilyError as exc:
+            raise InvalidRequestError(exc.message, field="model_family") from None
+        await self.models.get(config)  # 400 for kwargs the family forbids; 503 when this replica cannot load it
+        ttl_s = request.ttl_s or self.settings.default_ttl_s
+        if ttl_s > self.settings.max_ttl_s:
+            raise InvalidRequestError(f"ttl_s must be at most {self.settings.max_ttl_s:g}", field="ttl_s")
+        session_id, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
+        meta = SessionMeta(
+            session_id=session_id,
+            token_sha256=token_digest(token),
+            job_id=request.job_id or "",
+            episode_id=request.episode_id or session_id,
+            model=config,
+            metadata=request.metadata or {},
+            ttl_s=ttl_s,
+            created_at_unix_ms=int(time.time() * 1000),
+        )
+        await self.store.create(meta)
+        self.metrics.sessions_created.inc()
+        return CreatedSession(session_id, token, ttl_s)
+
+    async def authorize(self, session_id: str, token: str, *, is_operator: bool) -> SessionMeta:
+        """The session if `token` is its capability token (or the caller is the operator); 404 / 403 otherwise."""
+        meta = await self.store.get_meta(session_id)
+        if meta is None:
+            raise SessionNotFoundError(f"session {session_id} does not exist (deleted or expired)")
+        if not is_operator and not hmac.compare_digest(token_digest(token), meta.token_sha256):
+            raise WrongTokenError(f"the token is not the capability token of session {session_id}")
+        return meta
+
+    async def chat(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
+        if len(request.messages) > self.settings.max_messages:
+            raise InvalidRequestError(
+                f"{len(request.messages)} messages exceed max_messages={self.settings.max_messages}", field="messages"
+            )
+        return await self.turns.run(meta, request)
+
+    async def delete(self, session_id: str) -> None:
+        if not await self.store.delete(session_id):  # waits for an in-flight phase 1 or 3, never for the engine
+            raise SessionNotFoundError(f"session {session_id} does not exist (deleted or expired)")
+        self.metrics.sessions_deleted.inc()
+
+    async def list_sessions(self, job_id: str | None, limit: int) -> list[str]:
+        return await self.store.list_sessions(job_id, limit)
+
+    async def _load(self, meta: SessionMeta) -> tuple[SessionState, list[TurnRecord], SessionModel]:
+        state = await self.store.load_state(meta.session_id)
+        if state is None:
+            raise SessionNotFoundError(f"session {meta.session_id} does not exist (deleted or expired)")
+        records = await self.store.load_records(meta.session_id)
+        return state, records, await self.models.get(meta.model)
+
+    @staticmethod
+    def _comparison(model: SessionModel, state: SessionState) -> ComparisonResult | None:
+        """TITO's end-of-session check: the token buffer against a fresh render of the stored history."""
+        if not state.token_ids:
+            return None
+        expected = model.tito.encode_messages(state.messages, tools=state.tools)
+        # A last turn cut at max_tokens has no stop token yet (the next prompt would add it): compare without it.
+        comparator = model.tito.comparator()
+        return comparator.compare(expected=expected, actual=state.token_ids, trim_ids=model.tito.stop_token_ids)
+
+    async def describe(self, meta: SessionMeta) -> Json:
+        """GET /v1/sessions/{id}: metadata, history, the token buffer, every record and the TITO check."""
+        state, records, model = await self._load(meta)
+        comparison = await asyncio.to_thread(self._comparison, model, state)
+        return {
+            "session_id": meta.session_id,
+            "job_id": meta.job_id,
+            "episode_id": meta.episode_id,
+            "created_at_unix_ms": meta.created_at_unix_ms,
+            "ttl_s": meta.ttl_s,
+            "metadata": meta.metadata,
+            "model": meta.model.to_json(),
+            "version": state.version,
+            "num_turns": len(records),
+            "num_not_recorded_turns": state.num_not_recorded,
+            "max_trim_tokens": model.tito.max_trim_tokens,
+            "messages": state.messages,
+            "tools": state.tools,
+            "accumulated_token_ids": state.token_ids,
+            "weight_versions": [r.weight_version for r in records],
+            "records": [r.to_json() for r in records],
+            "tito_session_mismatch": comparison.to_metadata() if comparison is not None else None,
+        }
+
+    async def samples(self, meta: SessionMeta, request: SamplesRequest) -> Any:
+        """POST /v1/sessions/{id}/samples as a `miles.session.v1.SessionSamples` message."""
+        state, records, model = await self._load(meta)
+        samples, empty_reason, comparison = await asyncio.to_thread(
+            self._build_samples, meta, state, records, model, request
+        )
+        if comparison is not None:
+            self.metrics.tito.record(comparison)
+        num_critical = comparison.num_critical if comparison is not None else 0
+        metadata = {**meta.metadata, **(request.metadata or {}), "tito_num_critical": num_critical}
+        messages = []
+        for sample in samples:
+            self.metrics.samples.labels(status=sample.status).inc()
+            messages.append(
+                samples_wire.to_sample(
+                    sample, meta, group_id=request.group_id, reward=request.reward, metadata=metadata
+                )
+            )
+        session_metadata: Json = {
+            "num_turns": len(records),
+            "num_not_recorded_turns": state.num_not_recorded,
+            "max_trim_tokens": model.tito.max_trim_tokens,
+            "model_family": meta.model.model_family,
+            "tito_session_mismatch": comparison.to_metadata() if comparison is not None else None,
+        }
+        return samples_wire.session_samples(
+            meta, messages, empty_reason=empty_reason, session_metadata=session_metadata
+        )
+
+    def _build_samples(
+        self,
+        meta: SessionMeta,
+        state: SessionState,
+        records: list[TurnRecord],
+        model: SessionModel,
+        request: SamplesRequest,
+    ) -> tuple[list[SampleData], str, ComparisonResult | None]:
+        samples, empty_reason = build_samples(
+            records,
+            state.token_ids,
+            max_trim_tokens=model.tito.max_trim_tokens,
+            mode=request.mode,
+            max_seq_len=request.max_seq_len,
+            episode_id=meta.episode_id,
+            placeholder_token_id=model.eos_token_id or 0,
+        )
+        return samples, empty_reason, self._comparison(model, state)
+
+    async def warm_up(self) -> None:
+        """Load the default model at start-up: a configured default that cannot load stops the process."""
+        config = await self._default_config()
+        if config is not None:
+            try:
+                await self.models.get(config)
+            except MilesError as exc:
+                raise ConfigError(f"default_model_path {config.model_path!r}: {exc.message}") from exc
+
+    # --- expiry --------------------------------------------------------------------------------------------
+
+    async def reap_forever(self) -> None:
+        """Refresh the live-session gauge and count expiries every reap_interval_s (until cancelled)."""
+        while True:
+            with contextlib.suppress(MilesError):  # the store being down is reported by /readyz
+                result = await self.store.reap()
+                self.metrics.live_sessions.set(result.num_live)
+                self.metrics.sessions_expired.inc(result.num_expired)
+            await asyncio.sleep(self.settings.reap_interval_s)

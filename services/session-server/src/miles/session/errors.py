@@ -1,0 +1,162 @@
+"""The session-server's one error hierarchy: every error a request can meet, each carrying its HTTP status.
+
+All classes derive from `miles.common.errors`, so the common HTTP app maps them in one handler (JSON body
+`{"error": {type, code, message, field?, retry_after_s?, details?}}` plus `Retry-After` when set). The TITO
+package's errors (non-append history, unsupported role, bad tool-call JSON: 400; template not append-only: 422)
+derive from the same classes and are re-exported here. Anything else that escapes is a bug and becomes a 500.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from miles.common.errors import (
+    ConflictError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnprocessableError,
+    UpstreamError,
+)
+from miles.session.tito.errors import (
+    ChatTemplateKwargConflictError,
+    InvalidMessageError,
+    InvalidToolCallArgumentsError,
+    NonAppendHistoryError,
+    TemplateNotPrefixError,
+    TemplateRenderError,
+    UnsupportedRoleError,
+)
+
+
+class SessionNotFoundError(NotFoundError):
+    """No live session has this id (never created, deleted, or expired after its ttl_s)."""
+
+    code = "session_not_found"
+
+
+class JobNotFoundError(NotFoundError):
+    """No model config is registered for the job and the server has no default model."""
+
+    code = "job_not_found"
+
+
+class MissingTokenError(UnauthenticatedError):
+    """The request carries no `Authorization: Bearer <token>` header."""
+
+    code = "missing_token"
+
+
+class WrongTokenError(PermissionDeniedError):
+    """The bearer token is neither this session's capability token nor the operator token."""
+
+    code = "wrong_token"
+
+
+class InvalidRequestError(InvalidArgumentError):
+    """The request body is not valid JSON or not a valid request (the message names the field)."""
+
+    code = "invalid_request"
+
+
+class RequestTooLargeError(InvalidArgumentError):
+    """The request body is larger than max_body_bytes."""
+
+    http_status: ClassVar[int] = 413
+    code = "request_too_large"
+
+
+class PromptTooLongError(InvalidArgumentError):
+    """The prompt leaves no room to generate within the model's context."""
+
+    code = "prompt_too_long"
+
+
+class ToolsChangedError(InvalidArgumentError):
+    """A later turn sent a different tool list than the session's first turn (the prompt was rendered with it)."""
+
+    code = "tools_changed"
+
+
+class InvalidJobConfigError(InvalidArgumentError):
+    """A job model config names a model directory, family or kwargs that cannot be served."""
+
+    code = "invalid_job_config"
+
+
+class SampleAssemblyError(UnprocessableError):
+    """The session's records do not reconstruct its token buffer (e.g. an output that is not in it)."""
+
+    code = "sample_assembly_failed"
+
+
+class SessionBusyError(UnavailableError):
+    """The per-session lock stayed taken for lock_wait_s (another request is in its critical section)."""
+
+    code = "session_busy"
+
+
+class StoreUnavailableError(UnavailableError):
+    """The session store (Redis) cannot be reached."""
+
+    code = "store_unavailable"
+
+
+class ModelUnavailableError(UnavailableError):
+    """The session's tokenizer or chat template cannot be loaded on this replica."""
+
+    code = "model_unavailable"
+
+
+class UpstreamUnavailableError(UnavailableError):
+    """The rollout router / engine cannot be reached, timed out, is overloaded or aborted the generation."""
+
+    code = "upstream_unavailable"
+
+
+class UpstreamRejectedError(InvalidArgumentError):
+    """The engine refused the request as invalid (its message is passed on)."""
+
+    code = "upstream_rejected"
+
+
+class UpstreamConflictError(ConflictError):
+    """The engine answered 409 (e.g. behind a required weight version); retry."""
+
+    code = "upstream_conflict"
+
+
+class UpstreamMalformedError(UpstreamError):
+    """The engine answered something that is not a valid SGLang /generate response."""
+
+    code = "upstream_malformed"
+
+
+__all__ = [
+    "ChatTemplateKwargConflictError",
+    "InvalidJobConfigError",
+    "InvalidMessageError",
+    "InvalidRequestError",
+    "InvalidToolCallArgumentsError",
+    "JobNotFoundError",
+    "MissingTokenError",
+    "ModelUnavailableError",
+    "NonAppendHistoryError",
+    "PromptTooLongError",
+    "RequestTooLargeError",
+    "SampleAssemblyError",
+    "SessionBusyError",
+    "SessionNotFoundError",
+    "StoreUnavailableError",
+    "TemplateNotPrefixError",
+    "TemplateRenderError",
+    "ToolsChangedError",
+    "UnsupportedRoleError",
+    "UpstreamConflictError",
+    "UpstreamMalformedError",
+    "UpstreamRejectedError",
+    "UpstreamUnavailableError",
+    "WrongTokenError",
+]

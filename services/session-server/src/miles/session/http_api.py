@@ -1,0 +1,275 @@
+"""The HTTP transport: routes, bearer-token checks, body parsing and size limits over `SessionCore`.
+
+Auth: session routes need `Authorization: Bearer <the session's capability token>` (the agent's OpenAI api_key)
+or the operator token; no token -> 401, another token -> 403, checked before anything is read or written.
+Operator routes (job configs, creating and listing sessions) need the operator token when one is configured.
+Bodies are parsed here: invalid JSON or fields -> 400 naming the field; larger than max_body_bytes -> 413.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Path, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from miles.common.http import create_http_app, error_response
+from miles.common.telemetry import Metrics
+from miles.session import openai_format, samples_wire
+from miles.session.api_models import (
+    JOB_ID_PATTERN,
+    ChatCompletionRequest,
+    CreateSessionRequest,
+    CreateSessionResponse,
+    JobConfigBody,
+    SamplesRequest,
+)
+from miles.session.core import SessionCore
+from miles.session.errors import InvalidRequestError, MissingTokenError, RequestTooLargeError, WrongTokenError
+
+M = TypeVar("M", bound=BaseModel)
+PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
+MAX_JSON_DEPTH = 64
+SessionId = Annotated[str, Path(min_length=1, max_length=128)]
+JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN)]
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over max_bytes: by Content-Length up front, else while the body is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await error_response(self._error())(scope, receive, send)
+            return
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            num_received += len(message.get("body", b""))
+            if num_received > self.max_bytes:
+                raise self._error()  # a MilesError: the app's handler answers 413
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> RequestTooLargeError:
+        return RequestTooLargeError(f"the request body is larger than max_body_bytes={self.max_bytes}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json would accept NaN / Infinity; JSON does not
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)
+    return False
+
+
+async def parse_body(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
+    """The body as `model`; InvalidRequestError (400) naming the problem otherwise."""
+    raw = await request.body()
+    if not raw.strip():
+        if not allow_empty:
+            raise InvalidRequestError("the request body is empty; send a JSON object")
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequestError(f"the request body is not valid JSON ({type(exc).__name__}: {exc})") from None
+    if _depth_exceeds(data, MAX_JSON_DEPTH):
+        raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
+        first = problems[0]
+        raise InvalidRequestError(
+            f"{first['field'] or 'body'}: {first['message']}", field=first["field"], details={"errors": problems[:20]}
+        ) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI requestBody for a route that parses its body itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+class Auth:
+    def __init__(self, operator_token: str) -> None:
+        self._operator_token = operator_token
+
+    @staticmethod
+    def bearer(request: Request) -> str:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise MissingTokenError("send `Authorization: Bearer <token>` (the session token is the agent's api_key)")
+        return token.strip()
+
+    def is_operator(self, token: str) -> bool:
+        return bool(self._operator_token) and hmac.compare_digest(token.encode(), self._operator_token.encode())
+
+    def require_operator(self, request: Request) -> None:
+        if not self._operator_token:
+            return  # loopback development mode (see settings): operator routes are open to local callers
+        if not self.is_operator(self.bearer(request)):
+            raise WrongTokenError("this operation needs the operator token")
+
+    def session_caller(self, request: Request) -> tuple[str, bool]:
+        token = self.bearer(request)
+        return token, self.is_operator(token)
+
+
+def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
+    @router.post(
+        "/v1/sessions",
+        status_code=201,
+        response_model=CreateSessionResponse,
+        openapi_extra=body_schema(CreateSessionRequest),
+    )
+    async def create_session(request: Request) -> CreateSessionResponse:
+        auth.require_operator(request)
+        body = await parse_body(request, CreateSessionRequest, allow_empty=True)
+        created = await core.create(body)
+        base = (core.settings.public_base_url or str(request.base_url)).rstrip("/")
+        base_url = f"{base}/v1/sessions/{created.session_id}/v1"
+        return CreateSessionResponse(
+            session_id=created.session_id, base_url=base_url, token=created.token, ttl_s=created.ttl_s
+        )
+
+    @router.get("/v1/sessions")
+    async def list_sessions(
+        request: Request, job_id: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
+    ) -> dict[str, list[str]]:
+        auth.require_operator(request)
+        return {"session_ids": await core.list_sessions(job_id, limit)}
+
+    @router.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: SessionId, request: Request) -> dict[str, Any]:
+        token, is_operator = auth.session_caller(request)
+        return await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
+
+    @router.delete("/v1/sessions/{session_id}", status_code=204)
+    async def delete_session(session_id: SessionId, request: Request) -> Response:
+        token, is_operator = auth.session_caller(request)
+        await core.authorize(session_id, token, is_operator=is_operator)
+        await core.delete(session_id)
+        return Response(status_code=204)
+
+    @router.post("/v1/sessions/{session_id}/samples", openapi_extra=body_schema(SamplesRequest))
+    async def samples(session_id: SessionId, request: Request) -> Response:
+        token, is_operator = auth.session_caller(request)
+        meta = await core.authorize(session_id, token, is_operator=is_operator)
+        message = await core.samples(meta, await parse_body(request, SamplesRequest, allow_empty=True))
+        if PROTOBUF_MEDIA_TYPE in request.headers.get("accept", ""):
+            return Response(message.SerializeToString(), media_type=PROTOBUF_MEDIA_TYPE)
+        return Response(samples_wire.to_json(message), media_type="application/json")
+
+    @router.post("/v1/sessions/{session_id}/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat_completions(session_id: SessionId, request: Request) -> Response:
+        token, is_operator = auth.session_caller(request)
+        meta = await core.authorize(session_id, token, is_operator=is_operator)
+        body = await parse_body(request, ChatCompletionRequest)
+        result = await core.chat(meta, body)
+        if not body.stream:
+            return JSONResponse(result)
+        events = openai_format.stream_events(result, include_usage=body.include_usage)
+        return StreamingResponse(
+            _iterate(events),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    @router.get("/v1/sessions/{session_id}/v1/models")
+    async def models(session_id: SessionId, request: Request) -> dict[str, Any]:
+        token, is_operator = auth.session_caller(request)
+        meta = await core.authorize(session_id, token, is_operator=is_operator)
+        model = await core.models.get(meta.model)
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "miles"}]}
+
+
+async def _iterate(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
+
+
+def _job_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
+    @router.put("/v1/jobs/{job_id}/config", openapi_extra=body_schema(JobConfigBody))
+    async def put_job_config(job_id: JobId, request: Request) -> dict[str, Any]:
+        auth.require_operator(request)
+        config = await core.put_job_config(job_id, await parse_body(request, JobConfigBody))
+        return config.to_json()
+
+    @router.get("/v1/jobs/{job_id}/config")
+    async def get_job_config(job_id: JobId, request: Request) -> dict[str, Any]:
+        auth.require_operator(request)
+        return (await core.get_job_config(job_id)).to_json()
+
+    @router.delete("/v1/jobs/{job_id}/config", status_code=204)
+    async def delete_job_config(job_id: JobId, request: Request) -> Response:
+        auth.require_operator(request)
+        await core.delete_job_config(job_id)
+        return Response(status_code=204)
+
+
+def build_app(
+    core: SessionCore,
+    metrics: Metrics,
+    *,
+    operator_token: str,
+    max_body_bytes: int,
+    on_shutdown: Callable[[], Any] | None = None,
+) -> FastAPI:
+    """The session-server app: common probes/metrics/tracing/error mapping + the session and job routes."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        import asyncio
+
+        await core.warm_up()
+        reaper = asyncio.create_task(core.reap_forever())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    app = create_http_app(
+        service="session",
+        metrics=metrics,
+        readiness_checks={"store": core.store.ping},
+        lifespan=lifespan,
+        title="miles-session-server",
+    )
+    auth = Auth(operator_token)
+    router = APIRouter()
+    _session_routes(router, core, auth)
+    _job_routes(router, core, auth)
+    app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    return app

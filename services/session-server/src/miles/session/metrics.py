@@ -1,0 +1,49 @@
+"""Prometheus metrics of the session-server (`miles_session_*`), on the process's `Metrics("session")` registry.
+
+Labels are bounded (results, phases, error codes, kinds); never a session, job or request id. Prefix hit rate is
+`rate(miles_session_cached_tokens_total) / rate(miles_session_prompt_tokens_total)`: both come from the engine's
+own `cached_tokens` / `prompt_tokens`, so it holds for any engine behind the router.
+"""
+
+from __future__ import annotations
+
+from miles.common.telemetry import Metrics
+from miles.session.tito import TitoMetrics, register_tito_metrics
+
+TURN_RESULTS = ("recorded", "not_recorded", "failed")
+TURN_PHASES = ("prepare", "upstream", "commit")
+UPSTREAM_ERROR_KINDS = ("unreachable", "rejected", "conflict", "aborted", "malformed")
+SAMPLE_STATUSES = ("COMPLETED", "TRUNCATED", "ABORTED")
+
+
+class SessionMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        self.registry = metrics
+        self.turns = metrics.counter(
+            "turns", "Chat turns answered, by result (failed: an error was returned)", ["result"]
+        )
+        self.turn_errors = metrics.counter("turn_errors", "Failed chat turns by error code", ["code"])
+        self.rollbacks = metrics.counter("turn_rollbacks", "Turns that retried (rolled back) the last generated turn")
+        self.prompt_tokens = metrics.counter("prompt_tokens", "Prompt tokens sent to the engine (tokens in)")
+        self.completion_tokens = metrics.counter("completion_tokens", "Tokens sampled by the engine (tokens out)")
+        self.cached_tokens = metrics.counter("cached_tokens", "Prompt tokens the engine served from its prefix cache")
+        self.appended_tokens = metrics.counter("appended_tokens", "Prompt tokens TITO encoded (new messages only)")
+        self.turn_duration_s = metrics.histogram("turn_duration_seconds", "Chat turn latency, seconds")
+        self.phase_duration_s = metrics.histogram(
+            "turn_phase_duration_seconds", "Latency of each phase of a turn, seconds", ["phase"]
+        )
+        self.upstream_errors = metrics.counter("upstream_errors", "Failed upstream /generate calls by kind", ["kind"])
+        self.live_sessions = metrics.gauge("live_sessions", "Sessions that exist and have not expired (all replicas)")
+        self.sessions_created = metrics.counter("sessions_created", "Sessions created")
+        self.sessions_deleted = metrics.counter("sessions_deleted", "Sessions deleted by a client or operator")
+        self.sessions_expired = metrics.counter("sessions_expired", "Sessions that expired after ttl_s idle")
+        self.samples = metrics.counter("samples", "Training samples returned, by status", ["status"])
+        self.tito: TitoMetrics = register_tito_metrics(metrics)
+        for result in TURN_RESULTS:
+            self.turns.labels(result=result)
+        for phase in TURN_PHASES:
+            self.phase_duration_s.labels(phase=phase)
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(kind=kind)
+        for status in SAMPLE_STATUSES:
+            self.samples.labels(status=status)

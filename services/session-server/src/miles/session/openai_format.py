@@ -1,0 +1,120 @@
+"""OpenAI wire shapes of a turn: sampling params in, chat.completion / chat.completion.chunk out.
+
+Streaming is assembled from the finished turn (the assistant message is only known once the family parser has
+seen the whole completion, and the deltas must add up to exactly the message the session stored, or the agent's
+next request would not match the history). The stream is a valid OpenAI SSE stream: a role chunk, reasoning,
+content and tool-call chunks, a finish chunk, an optional usage chunk, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from miles.session.api_models import ChatCompletionRequest
+from miles.session.records import FinishType, Json
+from miles.session.tito import ParsedCompletion
+
+_REQUEST_TO_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+    "seed": "sampling_seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def sampling_params(
+    defaults: Json,
+    request: ChatCompletionRequest,
+    *,
+    stop_token_ids: frozenset[int],
+    num_prompt_tokens: int,
+    max_context_tokens: int | None,
+) -> Json:
+    """SGLang sampling_params: session defaults < request fields; the family's stop ids always stop generation;
+    max_new_tokens defaults to, and is capped by, what is left of the context."""
+    params = dict(defaults)
+    for openai_name, sglang_name in _REQUEST_TO_SAMPLING.items():
+        value = getattr(request, openai_name)
+        if value is not None:
+            params[sglang_name] = value
+    max_new = request.max_completion_tokens or request.max_tokens or params.get("max_new_tokens")
+    room = None if max_context_tokens is None else max_context_tokens - num_prompt_tokens
+    if room is not None:
+        max_new = room if max_new is None else min(int(max_new), room)
+    if max_new is not None:
+        params["max_new_tokens"] = int(max_new)
+    params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or ()) | stop_token_ids)
+    return params
+
+
+def assistant_message(parsed: ParsedCompletion, turn_index: int) -> Json:
+    """The OpenAI assistant message; tool calls without an id in the text get `call_<turn>_<i>` (deterministic,
+    so every replica answers the same)."""
+    message = parsed.to_openai_message()
+    for index, (call, parsed_call) in enumerate(zip(message.get("tool_calls", []), parsed.tool_calls, strict=True)):
+        if parsed_call.id is None:
+            call["id"] = f"call_{turn_index}_{index}"
+    return message
+
+
+def finish_reason(message: Json, finish_type: FinishType) -> str:
+    if message.get("tool_calls"):
+        return "tool_calls"
+    return "length" if finish_type is FinishType.LENGTH else "stop"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Json:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def completion_body(
+    *, completion_id: str, created: int, model: str, message: Json, finish: str, usage_body: Json, miles: Json
+) -> Json:
+    """A `chat.completion` object; `miles` carries session facts (turn index, recorded or not, weight version)."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": usage_body,
+        "miles": miles,
+    }
+
+
+def _event(data: Json) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+def stream_events(body: Json, *, include_usage: bool) -> list[bytes]:
+    """The SSE events of a finished `chat.completion` body."""
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+    choice = body["choices"][0]
+    message: Json = choice["message"]
+
+    def chunk(delta: Json, finish: str | None = None, **extra: Any) -> bytes:
+        return _event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    if message.get("reasoning_content"):
+        events.append(chunk({"reasoning_content": message["reasoning_content"]}))
+    if message.get("content"):
+        events.append(chunk({"content": message["content"]}))
+    for index, call in enumerate(message.get("tool_calls", [])):
+        events.append(chunk({"tool_calls": [{"index": index, **call}]}))
+    events.append(chunk({}, choice["finish_reason"], miles=body["miles"]))
+    if include_usage:
+        events.append(_event({**base, "choices": [], "usage": body["usage"]}))
+    events.append(b"data: [DONE]\n\n")
+    return events

@@ -1,0 +1,215 @@
+"""The session's data types, their invariants, and their storage encoding (shared by both store backends).
+
+A session is: `SessionMeta` (fixed at creation: owner token hash, job, resolved model config), `SessionState`
+(what each turn reads: message history, the token buffer, tools, per-record message ends, a version counter) and
+the list of `TurnRecord`s (one per committed model call, read only for samples, GET and a rollback).
+
+Token buffer invariant: `token_ids` is the last record's prompt ids + completion ids; record i's prompt is
+`token_ids[:records[i].prompt_len]` for every i (TITO only appends, and trims at most `max_trim_tokens` of a
+completion, which is never its first token), so records store lengths and sampled ids, never whole prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+Json = dict[str, Any]
+SAMPLING_KEYS: frozenset[str] = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "sampling_seed",
+    }
+)
+"""SGLang sampling_params a job or session may set as defaults."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How a job's sessions are served: what the controller registers with PUT /v1/jobs/{job_id}/config."""
+
+    model_path: str
+    model_family: str
+    engine_pool: str
+    max_context_tokens: int | None = None
+    chat_template_kwargs: Json = field(default_factory=dict)
+    sampling_defaults: Json = field(default_factory=dict)
+
+    def to_json(self) -> Json:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Json) -> ModelConfig:
+        return cls(
+            model_path=str(data["model_path"]),
+            model_family=str(data["model_family"]),
+            engine_pool=str(data["engine_pool"]),
+            max_context_tokens=data.get("max_context_tokens"),
+            chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
+            sampling_defaults=dict(data.get("sampling_defaults") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    """Fixed at creation. `model` is resolved then (job config + session overrides) and never changes after."""
+
+    session_id: str
+    token_sha256: str
+    job_id: str
+    episode_id: str
+    model: ModelConfig
+    metadata: Json
+    ttl_s: float
+    created_at_unix_ms: int
+
+    def to_json(self) -> Json:
+        data = asdict(self)
+        data["model"] = self.model.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: Json) -> SessionMeta:
+        return cls(
+            session_id=str(data["session_id"]),
+            token_sha256=str(data["token_sha256"]),
+            job_id=str(data["job_id"]),
+            episode_id=str(data["episode_id"]),
+            model=ModelConfig.from_json(data["model"]),
+            metadata=dict(data.get("metadata") or {}),
+            ttl_s=float(data["ttl_s"]),
+            created_at_unix_ms=int(data["created_at_unix_ms"]),
+        )
+
+
+class FinishType(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One committed model call. `logprobs[i]` belongs to `completion_ids[i]` (None: the engine sent null)."""
+
+    turn_index: int
+    prompt_len: int
+    num_trimmed_tokens: int
+    """Tokens of the previous completion the junction patch replaced when this prompt was built."""
+    completion_ids: list[int]
+    logprobs: list[float | None]
+    weight_version: str
+    cached_tokens: int
+    prompt_tokens: int
+    finish_type: FinishType
+    finish_matched: int | str | None
+    messages_end: int
+    """Length of the message history after this turn's assistant message."""
+    created_at_unix_ms: int
+    upstream_latency_s: float
+
+    def to_json(self) -> Json:
+        data = asdict(self)
+        data["finish_type"] = self.finish_type.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Json) -> TurnRecord:
+        return cls(
+            turn_index=int(data["turn_index"]),
+            prompt_len=int(data["prompt_len"]),
+            num_trimmed_tokens=int(data["num_trimmed_tokens"]),
+            completion_ids=[int(i) for i in data["completion_ids"]],
+            logprobs=[None if lp is None else float(lp) for lp in data["logprobs"]],
+            weight_version=str(data["weight_version"]),
+            cached_tokens=int(data["cached_tokens"]),
+            prompt_tokens=int(data["prompt_tokens"]),
+            finish_type=FinishType(data["finish_type"]),
+            finish_matched=data.get("finish_matched"),
+            messages_end=int(data["messages_end"]),
+            created_at_unix_ms=int(data["created_at_unix_ms"]),
+            upstream_latency_s=float(data["upstream_latency_s"]),
+        )
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """What a turn reads under the lock. `version` counts commits and fences them."""
+
+    version: int = 0
+    messages: list[Json] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    tools: list[Json] | None = None
+    message_ends: list[int] = field(default_factory=list)
+    """`TurnRecord.messages_end` of every record, in order (rollback needs only these)."""
+    num_not_recorded: int = 0
+    """Turns answered but not recorded (a concurrent turn on the session committed first)."""
+
+    @property
+    def num_records(self) -> int:
+        return len(self.message_ends)
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    meta: SessionMeta
+    state: SessionState
+
+
+@dataclass(frozen=True)
+class TurnCommit:
+    """Phase 3's write: keep the first `num_kept_records` records (a rollback drops one), then append `record`."""
+
+    expected_version: int
+    num_kept_records: int
+    messages: list[Json]
+    token_ids: list[int]
+    tools: list[Json] | None
+    record: TurnRecord
+    message_ends: list[int]
+    """The state's message_ends after the commit: the kept ones + record.messages_end."""
+    ttl_s: float
+    """The session's ttl_s (the commit restarts its expiry clock)."""
+
+
+class CommitOutcome(StrEnum):
+    COMMITTED = "committed"
+    CONCURRENT_TURN = "concurrent_turn"
+    """Another turn on the session committed (or rolled back) since this one read the session."""
+    SESSION_GONE = "session_gone"
+    """The session was deleted or expired while the engine generated."""
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """Token ids as little-endian int32 bytes (4 bytes a token)."""
+    packed = array("i", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(data: bytes | None) -> list[int]:
+    if not data:
+        return []
+    packed = array("i")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,50 @@
+"""The samples payload on the wire: `miles.session.v1.SessionSamples` of `miles.common.v1.Sample`s.
+
+Protobuf binary for `Accept: application/x-protobuf`, else the protobuf JSON mapping with the proto's field names
+(`google.protobuf.json_format.Parse` reads either spelling back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format
+
+from miles.proto.common.v1 import common_pb2
+from miles.proto.session.v1 import session_pb2
+from miles.session.records import Json, SessionMeta
+from miles.session.samples import SampleData
+
+
+def to_sample(sample: SampleData, meta: SessionMeta, *, group_id: str, reward: float, metadata: Json) -> Any:
+    """One `miles.common.v1.Sample`; `metadata` is merged under the sample's own facts."""
+    message = common_pb2.Sample(
+        sample_id=sample.sample_id,
+        group_id=group_id,
+        episode_id=meta.episode_id,
+        tokens=sample.tokens,
+        response_start=sample.response_start,
+        loss_mask=sample.loss_mask,
+        rollout_logprobs=sample.rollout_logprobs,
+        weight_versions=[
+            common_pb2.WeightSpan(start=s.start, end=s.end, weight_version=s.weight_version)
+            for s in sample.weight_versions
+        ],
+        reward=reward,
+        status=f"SAMPLE_STATUS_{sample.status}",
+    )
+    message.metadata.update({**metadata, **sample.metadata, "session_id": meta.session_id, "job_id": meta.job_id})
+    return message
+
+
+def session_samples(meta: SessionMeta, samples: list[Any], *, empty_reason: str, session_metadata: Json) -> Any:
+    message = session_pb2.SessionSamples(
+        session_id=meta.session_id, job_id=meta.job_id, episode_id=meta.episode_id, empty_reason=empty_reason
+    )
+    message.samples.extend(samples)
+    message.session_metadata.update(session_metadata)
+    return message
+
+
+def to_json(message: Any) -> str:
+    return str(json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None))

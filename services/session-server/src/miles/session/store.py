@@ -1,0 +1,85 @@
+"""The session store interface and `make_store`, the one place a backend is chosen.
+
+Backends: `RedisStore` (default; every replica shares it, so any replica serves any session) and `MemoryStore`
+(one process; unit tests and single-process demos). Both keep the same semantics:
+- `locked_state(session_id)` is phase 1 of a turn: it takes the per-session lock and reads the state in one step,
+  and releases the lock on exit. The lock is a lease: a holder that dies frees it after lock_ttl_s.
+- `commit` is phase 3: one atomic step that waits while another request holds the lock, and is fenced by the
+  session's version counter: it applies only if nothing committed since the turn read the session
+  (`CommitOutcome.CONCURRENT_TURN` otherwise, counted as a not-recorded turn), so an expired lease cannot corrupt
+  a session. `delete` waits for the lock the same way.
+- a session expires `ttl_s` after its creation or last commit; `reap()` counts expiries once across replicas.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from miles.session.records import CommitOutcome, ModelConfig, SessionMeta, SessionState, TurnCommit, TurnRecord
+from miles.session.settings import SessionSettings
+
+
+@dataclass(frozen=True)
+class ReapResult:
+    num_live: int
+    num_expired: int
+    """Sessions found expired by this call (each expiry is counted by exactly one reap across replicas)."""
+
+
+class SessionStore(Protocol):
+    async def ping(self) -> None:
+        """Raise when the store cannot serve (readiness)."""
+        ...
+
+    async def close(self) -> None: ...
+
+    async def create(self, meta: SessionMeta) -> None: ...
+
+    async def get_meta(self, session_id: str) -> SessionMeta | None:
+        """The session's fixed part, or None when there is no live session with this id."""
+        ...
+
+    async def load_state(self, session_id: str) -> SessionState | None:
+        """The state without taking the lock (GET, samples)."""
+        ...
+
+    def locked_state(self, session_id: str) -> AbstractAsyncContextManager[SessionState | None]:
+        """Phase 1: the state (None when the session is gone) read under the session lock, held until exit.
+
+        Raises SessionBusyError when the lock stays taken for lock_wait_s."""
+        ...
+
+    async def load_records(self, session_id: str) -> list[TurnRecord]: ...
+
+    async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
+        """Phase 3 (see the module docstring); SessionBusyError when the lock stays taken for lock_wait_s."""
+        ...
+
+    async def delete(self, session_id: str) -> bool:
+        """Remove the session once no request holds its lock; False when it did not exist."""
+        ...
+
+    async def list_sessions(self, job_id: str | None, limit: int) -> list[str]:
+        """Ids of live sessions (of one job when given), oldest expiry first."""
+        ...
+
+    async def reap(self) -> ReapResult: ...
+
+    async def put_job_config(self, job_id: str, config: ModelConfig) -> None: ...
+
+    async def get_job_config(self, job_id: str) -> ModelConfig | None: ...
+
+    async def delete_job_config(self, job_id: str) -> bool: ...
+
+
+def make_store(settings: SessionSettings) -> SessionStore:
+    """The backend named by settings.store_backend."""
+    if settings.store_backend == "memory":
+        from miles.session.store_memory import MemoryStore
+
+        return MemoryStore(lock_wait_s=settings.lock_wait_s)
+    from miles.session.store_redis import RedisStore
+
+    return RedisStore.from_settings(settings)

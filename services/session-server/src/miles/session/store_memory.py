@@ -1,0 +1,128 @@
+"""MemoryStore: sessions in this process only (unit tests, single-process demos). Same semantics as RedisStore.
+
+Limits: nothing survives a restart and no other replica sees these sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from miles.session.errors import SessionBusyError
+from miles.session.records import CommitOutcome, ModelConfig, SessionMeta, SessionState, TurnCommit, TurnRecord
+from miles.session.store import ReapResult
+
+
+@dataclass
+class _Entry:
+    meta: SessionMeta
+    state: SessionState = field(default_factory=SessionState)
+    records: list[TurnRecord] = field(default_factory=list)
+    expires_at_s: float = 0.0
+
+
+class MemoryStore:
+    def __init__(self, *, lock_wait_s: float) -> None:
+        self._sessions: dict[str, _Entry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._job_configs: dict[str, ModelConfig] = {}
+        self._lock_wait_s = lock_wait_s
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def _live(self, session_id: str) -> _Entry | None:
+        entry = self._sessions.get(session_id)
+        if entry is None or entry.expires_at_s <= time.time():
+            return None
+        return entry
+
+    async def create(self, meta: SessionMeta) -> None:
+        self._sessions[meta.session_id] = _Entry(meta, expires_at_s=time.time() + meta.ttl_s)
+
+    async def get_meta(self, session_id: str) -> SessionMeta | None:
+        entry = self._live(session_id)
+        return entry.meta if entry else None
+
+    async def load_state(self, session_id: str) -> SessionState | None:
+        entry = self._live(session_id)
+        return entry.state if entry else None
+
+    async def load_records(self, session_id: str) -> list[TurnRecord]:
+        entry = self._live(session_id)
+        return list(entry.records) if entry else []
+
+    async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
+        async with self._lock(session_id):
+            entry = self._live(session_id)
+            if entry is None:
+                return CommitOutcome.SESSION_GONE
+            if entry.state.version != commit.expected_version:
+                entry.state = dataclasses.replace(entry.state, num_not_recorded=entry.state.num_not_recorded + 1)
+                return CommitOutcome.CONCURRENT_TURN
+            entry.records = [*entry.records[: commit.num_kept_records], commit.record]
+            entry.state = dataclasses.replace(
+                entry.state,
+                version=entry.state.version + 1,
+                messages=commit.messages,
+                token_ids=commit.token_ids,
+                tools=commit.tools,
+                message_ends=commit.message_ends,
+            )
+            entry.expires_at_s = time.time() + entry.meta.ttl_s
+            return CommitOutcome.COMMITTED
+
+    async def delete(self, session_id: str) -> bool:
+        async with self._lock(session_id):
+            existed = self._live(session_id) is not None
+            self._sessions.pop(session_id, None)
+        self._locks.pop(session_id, None)
+        return existed
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, session_id: str) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout=self._lock_wait_s)
+        except TimeoutError:
+            raise SessionBusyError(
+                f"session {session_id} is busy (its lock stayed taken for {self._lock_wait_s:g} s); retry",
+                retry_after_s=1.0,
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    @contextlib.asynccontextmanager
+    async def locked_state(self, session_id: str) -> AsyncIterator[SessionState | None]:
+        async with self._lock(session_id):
+            yield await self.load_state(session_id)
+
+    async def list_sessions(self, job_id: str | None, limit: int) -> list[str]:
+        live = [(e.expires_at_s, sid) for sid, e in self._sessions.items() if self._live(sid) is not None]
+        return [sid for _, sid in sorted(live) if job_id is None or self._sessions[sid].meta.job_id == job_id][:limit]
+
+    async def reap(self) -> ReapResult:
+        now = time.time()
+        expired = [sid for sid, entry in self._sessions.items() if entry.expires_at_s <= now]
+        for sid in expired:
+            self._sessions.pop(sid, None)
+            self._locks.pop(sid, None)
+        return ReapResult(num_live=len(self._sessions), num_expired=len(expired))
+
+    async def put_job_config(self, job_id: str, config: ModelConfig) -> None:
+        self._job_configs[job_id] = config
+
+    async def get_job_config(self, job_id: str) -> ModelConfig | None:
+        return self._job_configs.get(job_id)
+
+    async def delete_job_config(self, job_id: str) -> bool:
+        return self._job_configs.pop(job_id, None) is not None

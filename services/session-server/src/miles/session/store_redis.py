@@ -1,0 +1,320 @@
+"""RedisStore: sessions in Redis, shared by every replica (a replica keeps no session state of its own).
+
+Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together):
+- `P:s:{id}` hash: meta (JSON), job, version, messages (JSON), ids (int32 little-endian), tools, ends,
+  not_recorded. Expires ttl_s after creation or the last commit.
+- `P:s:{id}:records` list of TurnRecord JSON (appended per commit; trimmed by a rollback).
+- `P:s:{id}:lock` the per-session lock: a lease (SET NX PX) released by compare-and-delete.
+- `P:live` sorted set of session ids scored by expiry time (ms): live-session count, listing, expiry counting.
+- `P:job:<job_id>:config` a job's ModelConfig JSON (no expiry; deleted by the controller).
+Each critical section is one Lua script, so a turn costs four round trips: read meta (auth), take the lock and
+read the state (phase 1), release (in the background, during the engine call), and the fenced commit (phase 3; it
+also refreshes the TTLs and the index).
+Scripts touch the shared `P:live` key too, so the store expects a single Redis (with AOF), not a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from miles.session.errors import SessionBusyError, StoreUnavailableError
+from miles.session.records import (
+    CommitOutcome,
+    ModelConfig,
+    SessionMeta,
+    SessionState,
+    TurnCommit,
+    TurnRecord,
+    dumps,
+    pack_ids,
+    unpack_ids,
+)
+from miles.session.settings import SessionSettings
+from miles.session.store import ReapResult
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_BUSY = -3
+_STATE_FIELDS = ("version", "messages", "ids", "tools", "ends", "not_recorded")
+# KEYS: hash, lock. ARGV: owner, lease ms. -> {1, state fields...} | {0} (no session) | {-3} (busy)
+_LOCK_AND_LOAD = """
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {-3} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local state = redis.call('HMGET', KEYS[1], 'version', 'messages', 'ids', 'tools', 'ends', 'not_recorded')
+table.insert(state, 1, 1)
+return state
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# KEYS: hash, records, lock, live. ARGV: version, kept, messages, ids, tools, ends, record, ttl ms, id, expiry ms
+_COMMIT = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local version = tonumber(redis.call('HGET', KEYS[1], 'version'))
+if version ~= tonumber(ARGV[1]) then
+  redis.call('HINCRBY', KEYS[1], 'not_recorded', 1)
+  return -2
+end
+local kept = tonumber(ARGV[2])
+if kept == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, kept - 1) end
+redis.call('RPUSH', KEYS[2], ARGV[7])
+redis.call('HSET', KEYS[1], 'version', version + 1, 'messages', ARGV[3], 'ids', ARGV[4], 'tools', ARGV[5],
+  'ends', ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[8])
+redis.call('PEXPIRE', KEYS[2], ARGV[8])
+redis.call('ZADD', KEYS[4], ARGV[10], ARGV[9])
+return version + 1
+"""
+# KEYS: hash, records, lock, live. ARGV: id. -> 1 deleted | 0 missing | -3 busy
+_DELETE = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('DEL', KEYS[2])
+return redis.call('DEL', KEYS[1])
+"""
+_REAP_BATCH = 1000
+
+
+def _store_errors(method: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Redis failures become StoreUnavailableError (503 with Retry-After), never a 500."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisError, OSError) as exc:
+            message = f"session store unavailable: {type(exc).__name__}: {exc}"
+            raise StoreUnavailableError(message, retry_after_s=1.0) from exc
+
+    return wrapper
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _state(values: list[Any]) -> SessionState:
+    version, messages, ids, tools, ends, not_recorded = values
+    return SessionState(
+        version=int(version),
+        messages=json.loads(messages),
+        token_ids=unpack_ids(ids),
+        tools=json.loads(tools),
+        message_ends=json.loads(ends),
+        num_not_recorded=int(not_recorded or 0),
+    )
+
+
+class RedisStore:
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str, lock_ttl_s: float, lock_wait_s: float) -> None:
+        self._redis = client
+        self._prefix = key_prefix
+        self._lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
+        self._lock_wait_s = lock_wait_s
+        self._lock_and_load = client.register_script(_LOCK_AND_LOAD)
+        self._release = client.register_script(_RELEASE)
+        self._commit = client.register_script(_COMMIT)
+        self._delete = client.register_script(_DELETE)
+        self._releases: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_settings(cls, settings: SessionSettings) -> RedisStore:
+        client = aioredis.Redis.from_url(
+            settings.redis_url,
+            max_connections=settings.redis_max_connections,
+            socket_timeout=settings.redis_socket_timeout_s,
+            socket_connect_timeout=settings.redis_socket_timeout_s,
+        )
+        return cls(
+            client, key_prefix=settings.key_prefix, lock_ttl_s=settings.lock_ttl_s, lock_wait_s=settings.lock_wait_s
+        )
+
+    def _key(self, session_id: str, suffix: str = "") -> str:
+        return f"{self._prefix}:s:{{{session_id}}}{suffix}"
+
+    def _session_keys(self, session_id: str) -> list[str]:
+        """hash, records, lock, live index: the KEYS of the commit and delete scripts."""
+        key = self._key(session_id)
+        return [key, f"{key}:records", f"{key}:lock", f"{self._prefix}:live"]
+
+    def _job_key(self, job_id: str) -> str:
+        return f"{self._prefix}:job:{job_id}:config"
+
+    async def _until_free(self, session_id: str, attempt: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        """Run `attempt` until it does not answer busy (-3 or {-3}), backing off, at most lock_wait_s."""
+        deadline_s = time.monotonic() + self._lock_wait_s
+        delay_s = 0.001
+        while True:
+            result = await attempt()
+            busy = result == _BUSY or (isinstance(result, list) and result and result[0] == _BUSY)
+            if not busy:
+                return result
+            if time.monotonic() > deadline_s:
+                raise SessionBusyError(
+                    f"session {session_id} is busy (its lock stayed taken for {self._lock_wait_s:g} s); retry",
+                    retry_after_s=1.0,
+                )
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.05)
+
+    async def ping(self) -> None:
+        await self._redis.ping()
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._releases)
+        await self._redis.aclose()
+
+    @_store_errors
+    async def create(self, meta: SessionMeta) -> None:
+        key, ttl_ms = self._key(meta.session_id), int(meta.ttl_s * 1000)
+        fields: dict[Any, Any] = {
+            "meta": dumps(meta.to_json()),
+            "job": meta.job_id,
+            "version": 0,
+            "messages": "[]",
+            "ids": b"",
+            "tools": "null",
+            "ends": "[]",
+            "not_recorded": 0,
+        }
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.pexpire(key, ttl_ms)
+            pipe.zadd(f"{self._prefix}:live", {meta.session_id: _now_ms() + ttl_ms})
+            await pipe.execute()
+
+    @_store_errors
+    async def get_meta(self, session_id: str) -> SessionMeta | None:
+        raw = await self._redis.hget(self._key(session_id), "meta")
+        return None if raw is None else SessionMeta.from_json(json.loads(raw))
+
+    @_store_errors
+    async def load_state(self, session_id: str) -> SessionState | None:
+        values: list[Any] = await self._redis.hmget(self._key(session_id), list(_STATE_FIELDS))
+        return None if values[0] is None else _state(values)
+
+    @contextlib.asynccontextmanager
+    async def locked_state(self, session_id: str) -> AsyncIterator[SessionState | None]:
+        key, owner = self._key(session_id), uuid.uuid4().hex
+        keys = [key, f"{key}:lock"]
+        try:
+            result = await self._until_free(
+                session_id, lambda: self._lock_and_load(keys=keys, args=[owner, self._lock_ttl_ms])
+            )
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailableError(f"session store unavailable: {exc}", retry_after_s=1.0) from exc
+        try:
+            yield _state(result[1:]) if result[0] == 1 else None
+        finally:
+            # Released in the background: the round trip overlaps the engine call instead of preceding it. A
+            # commit that comes first just waits for it; a release that never lands expires with its lease.
+            task = asyncio.create_task(self._release_lock(f"{key}:lock", owner))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release_lock(self, lock_key: str, owner: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._release(keys=[lock_key], args=[owner])
+
+    @_store_errors
+    async def load_records(self, session_id: str) -> list[TurnRecord]:
+        raw = await self._redis.lrange(self._key(session_id, ":records"), 0, -1)
+        return [TurnRecord.from_json(json.loads(item)) for item in raw]
+
+    @_store_errors
+    async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
+        ttl_ms = int(commit.ttl_s * 1000)
+        args: list[str | bytes | int] = [
+            commit.expected_version,
+            commit.num_kept_records,
+            dumps(commit.messages),
+            pack_ids(commit.token_ids),
+            dumps(commit.tools),
+            dumps(commit.message_ends),
+            dumps(commit.record.to_json()),
+            ttl_ms,
+            session_id,
+            _now_ms() + ttl_ms,
+        ]
+        keys = self._session_keys(session_id)
+        result = int(await self._until_free(session_id, lambda: self._commit(keys=keys, args=args)))
+        if result == -1:
+            return CommitOutcome.SESSION_GONE
+        if result == -2:
+            return CommitOutcome.CONCURRENT_TURN
+        return CommitOutcome.COMMITTED
+
+    @_store_errors
+    async def delete(self, session_id: str) -> bool:
+        keys = self._session_keys(session_id)
+        return bool(await self._until_free(session_id, lambda: self._delete(keys=keys, args=[session_id])))
+
+    @_store_errors
+    async def list_sessions(self, job_id: str | None, limit: int) -> list[str]:
+        found: list[str] = []
+        offset = 0
+        while len(found) < limit:
+            items = await self._redis.zrangebyscore(f"{self._prefix}:live", _now_ms(), "+inf", start=offset, num=500)
+            batch = [_text(item) for item in items]
+            if not batch:
+                break
+            offset += len(batch)
+            if job_id is not None:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for sid in batch:
+                        pipe.hget(self._key(sid), "job")
+                    jobs = [None if job is None else _text(job) for job in await pipe.execute()]
+                batch = [sid for sid, job in zip(batch, jobs, strict=True) if job == job_id]
+            found.extend(batch)
+        return found[:limit]
+
+    @_store_errors
+    async def reap(self) -> ReapResult:
+        now_ms, live_key = _now_ms(), f"{self._prefix}:live"
+        stale = [_text(item) for item in await self._redis.zrangebyscore(live_key, "-inf", now_ms, 0, _REAP_BATCH)]
+        num_expired = 0
+        if stale:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for sid in stale:
+                    pipe.pttl(self._key(sid))
+                ttls = await pipe.execute()
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for sid, ttl_ms in zip(stale, ttls, strict=True):
+                    if ttl_ms < 0:  # gone: ZREM answers 1 on exactly one replica
+                        pipe.zrem(live_key, sid)
+                    else:  # alive with a stale score: fix it
+                        pipe.zadd(live_key, {sid: now_ms + ttl_ms})
+                results = await pipe.execute()
+            num_expired = sum(int(r) for r, ttl_ms in zip(results, ttls, strict=True) if ttl_ms < 0)
+        num_live = int(await self._redis.zcount(live_key, now_ms, "+inf"))
+        return ReapResult(num_live=num_live, num_expired=num_expired)
+
+    @_store_errors
+    async def put_job_config(self, job_id: str, config: ModelConfig) -> None:
+        await self._redis.set(self._job_key(job_id), dumps(config.to_json()))
+
+    @_store_errors
+    async def get_job_config(self, job_id: str) -> ModelConfig | None:
+        raw = await self._redis.get(self._job_key(job_id))
+        return None if raw is None else ModelConfig.from_json(json.loads(raw))
+
+    @_store_errors
+    async def delete_job_config(self, job_id: str) -> bool:
+        return bool(await self._redis.delete(self._job_key(job_id)))

@@ -1,0 +1,217 @@
+"""One chat turn, the three-phase lock (Miles' flow over a shared store):
+
+1. prepare (under the session lock): read the session, decide append / retry-rollback, build the prompt ids with
+   TITO (only the new messages are rendered and encoded);
+2. generate (no lock): SGLang-native /generate through the rollout router;
+3. commit (atomic, waiting while another request holds the lock): the session's version must be the one phase 1
+   read (fencing); then the new history, the token buffer (prompt + sampled ids) and the record are written.
+   A turn that lost the race (another turn on the session committed first) is still answered, but not recorded,
+   and says so in the response's `miles.recorded`.
+Nothing is written before phase 3, so a failed turn (bad input, engine error) leaves the session as it was.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from opentelemetry import trace
+
+from miles.common.errors import MilesError
+from miles.session import openai_format
+from miles.session.api_models import ChatCompletionRequest
+from miles.session.errors import (
+    PromptTooLongError,
+    SessionNotFoundError,
+    UpstreamConflictError,
+    UpstreamMalformedError,
+    UpstreamRejectedError,
+)
+from miles.session.history import TurnPlan, num_records_to_keep, plan_turn
+from miles.session.metrics import SessionMetrics
+from miles.session.model_assets import ModelRegistry, SessionModel
+from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit, TurnRecord
+from miles.session.store import SessionStore
+from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError
+
+tracer = trace.get_tracer("miles.session")
+
+
+def _upstream_error_kind(error: MilesError) -> str:
+    if isinstance(error, UpstreamAbortedError):
+        return "aborted"
+    if isinstance(error, UpstreamRejectedError):
+        return "rejected"
+    if isinstance(error, UpstreamConflictError):
+        return "conflict"
+    if isinstance(error, UpstreamMalformedError):
+        return "malformed"
+    return "unreachable"
+
+
+class TurnRunner:
+    def __init__(
+        self, *, store: SessionStore, models: ModelRegistry, engine: EngineClient, metrics: SessionMetrics
+    ) -> None:
+        self._store = store
+        self._models = models
+        self._engine = engine
+        self._metrics = metrics
+
+    async def run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
+        """The chat.completion body of one turn (MilesError subclasses for every refusal)."""
+        started_s = time.perf_counter()
+        try:
+            body = await self._run(meta, request)
+        except MilesError as exc:
+            self._metrics.turns.labels(result="failed").inc()
+            self._metrics.turn_errors.labels(code=exc.code).inc()
+            raise
+        recorded = body["miles"]["recorded"]
+        self._metrics.turns.labels(result="recorded" if recorded else "not_recorded").inc()
+        self._metrics.turn_duration_s.observe(time.perf_counter() - started_s)
+        return body
+
+    async def _prepare(self, meta: SessionMeta, model: SessionModel, request: ChatCompletionRequest) -> TurnPlan:
+        async with self._store.locked_state(meta.session_id) as state:
+            if state is None:
+                raise SessionNotFoundError(f"session {meta.session_id} does not exist (deleted or expired)")
+            num_keep = num_records_to_keep(state, request.messages)
+            needs_records = 0 < num_keep < state.num_records
+            records = await self._store.load_records(meta.session_id) if needs_records else []
+            plan = plan_turn(
+                model.tito,
+                state,
+                records,
+                request.messages,
+                num_keep=num_keep,
+                request_tools=request.tools,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+        if num_keep < state.num_records:
+            self._metrics.rollbacks.inc()
+        return plan
+
+    async def _generate(
+        self, meta: SessionMeta, model: SessionModel, request: ChatCompletionRequest, prompt_ids: list[int]
+    ) -> Completion:
+        if model.max_context_tokens is not None and len(prompt_ids) >= model.max_context_tokens:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context is {model.max_context_tokens} "
+                "tokens and at least one must be left to generate",
+                field="messages",
+                details={"num_prompt_tokens": len(prompt_ids), "max_context_tokens": model.max_context_tokens},
+            )
+        params = openai_format.sampling_params(
+            meta.model.sampling_defaults,
+            request,
+            stop_token_ids=model.tito.stop_token_ids,
+            num_prompt_tokens=len(prompt_ids),
+            max_context_tokens=model.max_context_tokens,
+        )
+        try:
+            return await self._engine.generate(
+                input_ids=prompt_ids,
+                sampling_params=params,
+                stream=request.stream,
+                routing_key=meta.session_id,
+                pool=meta.model.engine_pool,
+            )
+        except MilesError as exc:
+            self._metrics.upstream_errors.labels(kind=_upstream_error_kind(exc)).inc()
+            raise
+
+    async def _run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
+        attributes = {"miles.session_id": meta.session_id, "miles.job_id": meta.job_id}
+        model = await self._models.get(meta.model)
+        with tracer.start_as_current_span("session.prepare", attributes=attributes):
+            phase_started_s = time.perf_counter()
+            plan = await self._prepare(meta, model, request)
+            prompt_ids = plan.prompt.prompt_ids
+            self._observe_phase("prepare", phase_started_s)
+        with tracer.start_as_current_span("session.upstream", attributes=attributes) as span:
+            phase_started_s = time.perf_counter()
+            completion = await self._generate(meta, model, request, prompt_ids)
+            span.set_attribute("miles.weight_version", completion.weight_version)
+            self._observe_phase("upstream", phase_started_s)
+        message = self._assistant_message(model, plan, completion)
+        with tracer.start_as_current_span("session.commit", attributes=attributes):
+            phase_started_s = time.perf_counter()
+            outcome = await self._commit(meta, plan, prompt_ids, completion, message)
+            self._observe_phase("commit", phase_started_s)
+        self._metrics.prompt_tokens.inc(len(prompt_ids))
+        self._metrics.completion_tokens.inc(len(completion.output_ids))
+        self._metrics.cached_tokens.inc(completion.cached_tokens)
+        self._metrics.appended_tokens.inc(len(plan.prompt.appended_ids))
+        return self._body(meta, model, request, plan, prompt_ids, completion, message, outcome)
+
+    def _assistant_message(self, model: SessionModel, plan: TurnPlan, completion: Completion) -> Json:
+        text = model.tito.codec.decode(completion.output_ids)
+        matched = completion.finish_matched
+        if isinstance(matched, str) and matched and matched in text:  # a stop string: OpenAI leaves it out
+            text = text[: text.index(matched)]
+        parsed = model.tito.parse_completion(text, reasoning_open=plan.prompt.reasoning_open, tools=plan.tools)
+        return openai_format.assistant_message(parsed, plan.num_kept_records)
+
+    async def _commit(
+        self, meta: SessionMeta, plan: TurnPlan, prompt_ids: list[int], completion: Completion, message: Json
+    ) -> CommitOutcome:
+        messages = [*plan.base_messages, *plan.appended, message]
+        record = TurnRecord(
+            turn_index=plan.num_kept_records,
+            prompt_len=len(prompt_ids),
+            num_trimmed_tokens=plan.prompt.num_trimmed_tokens,
+            completion_ids=completion.output_ids,
+            logprobs=completion.logprobs,
+            weight_version=completion.weight_version,
+            cached_tokens=completion.cached_tokens,
+            prompt_tokens=completion.prompt_tokens,
+            finish_type=completion.finish_type,
+            finish_matched=completion.finish_matched,
+            messages_end=len(messages),
+            created_at_unix_ms=int(time.time() * 1000),
+            upstream_latency_s=completion.latency_s,
+        )
+        commit = TurnCommit(
+            expected_version=plan.state_version,
+            num_kept_records=plan.num_kept_records,
+            messages=messages,
+            token_ids=prompt_ids + completion.output_ids,
+            tools=plan.tools,
+            record=record,
+            message_ends=[*plan.kept_message_ends, len(messages)],
+            ttl_s=meta.ttl_s,
+        )
+        return await self._store.commit(meta.session_id, commit)
+
+    def _body(
+        self,
+        meta: SessionMeta,
+        model: SessionModel,
+        request: ChatCompletionRequest,
+        plan: TurnPlan,
+        prompt_ids: list[int],
+        completion: Completion,
+        message: Json,
+        outcome: CommitOutcome,
+    ) -> Json:
+        recorded = outcome is CommitOutcome.COMMITTED
+        return openai_format.completion_body(
+            completion_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=request.model or model.name,
+            message=message,
+            finish=openai_format.finish_reason(message, completion.finish_type),
+            usage_body=openai_format.usage(len(prompt_ids), len(completion.output_ids), completion.cached_tokens),
+            miles={
+                "session_id": meta.session_id,
+                "turn_index": plan.num_kept_records,
+                "recorded": recorded,
+                "not_recorded_reason": None if recorded else outcome.value,
+                "weight_version": completion.weight_version,
+                "num_appended_tokens": len(plan.prompt.appended_ids),
+            },
+        )
+
+    def _observe_phase(self, phase: str, started_s: float) -> None:
+        self._metrics.phase_duration_s.labels(phase=phase).observe(time.perf_counter() - started_s)

@@ -1,0 +1,90 @@
+"""RedisStore on a real Redis: fenced commits, rollback trimming, lock lease, expiry counted once across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import redis.asyncio as aioredis
+
+from miles.session.errors import SessionBusyError
+from miles.session.records import CommitOutcome, FinishType, ModelConfig, SessionMeta, TurnCommit, TurnRecord
+from miles.session.store_redis import RedisStore
+
+
+def make_store(redis_url: str, **kw: float) -> RedisStore:
+    options = {"lock_ttl_s": 5.0, "lock_wait_s": 0.2, **kw}
+    return RedisStore(aioredis.Redis.from_url(redis_url), key_prefix="t", **options)
+
+
+def meta(session_id: str, ttl_s: float = 60.0) -> SessionMeta:
+    return SessionMeta(session_id, "hash", "job-1", session_id, ModelConfig("/m", "qwen3", "p"), {}, ttl_s, 0)
+
+
+def commit(version: int, num_kept: int, ids: list[int], end: int) -> TurnCommit:
+    record = TurnRecord(
+        num_kept, len(ids) - 1, 0, ids[-1:], [-0.1], "1", 0, len(ids) - 1, FinishType.STOP, None, end, 0, 0.0
+    )
+    ends = [2 * (i + 1) for i in range(num_kept)] + [end]
+    return TurnCommit(version, num_kept, [{"role": "user", "content": str(end)}] * end, ids, None, record, ends, 60.0)
+
+
+@pytest.mark.integration
+async def test_commits_are_fenced_by_version_and_a_rollback_trims_records(redis_url: str) -> None:
+    store = make_store(redis_url)
+    await store.create(meta("s1"))
+    assert await store.commit("s1", commit(0, 0, [1, 2, 3], 2)) is CommitOutcome.COMMITTED
+    assert await store.commit("s1", commit(0, 0, [1, 2, 9], 2)) is CommitOutcome.CONCURRENT_TURN
+    assert await store.commit("s1", commit(1, 1, [1, 2, 3, 4, 5], 4)) is CommitOutcome.COMMITTED
+    assert await store.commit("s1", commit(2, 1, [1, 2, 3, 4, 6], 4)) is CommitOutcome.COMMITTED  # rollback of one
+    state = await store.load_state("s1")
+    records = await store.load_records("s1")
+    assert state is not None and state.version == 3 and state.token_ids == [1, 2, 3, 4, 6]
+    assert [r.completion_ids for r in records] == [[3], [6]] and state.message_ends == [2, 4]
+    assert state.num_not_recorded == 1  # the fenced-out commit
+    assert await store.delete("s1") and not await store.delete("s1")
+    assert await store.commit("s1", commit(3, 2, [1], 6)) is CommitOutcome.SESSION_GONE
+    await store.close()
+
+
+@pytest.mark.integration
+async def test_the_lock_excludes_phase_1_commits_and_deletes_and_a_dead_holder_frees_it(redis_url: str) -> None:
+    store = make_store(redis_url, lock_ttl_s=5.0)
+    other = make_store(redis_url, lock_wait_s=0.3)
+    await store.create(meta("s2"))
+    async with store.locked_state("s2") as state:
+        assert state is not None and state.version == 0
+        with pytest.raises(SessionBusyError):
+            async with other.locked_state("s2"):
+                pass
+        with pytest.raises(SessionBusyError):
+            await other.commit("s2", commit(0, 0, [1, 2], 2))
+        with pytest.raises(SessionBusyError):
+            await other.delete("s2")
+    assert await other.commit("s2", commit(0, 0, [1, 2], 2)) is CommitOutcome.COMMITTED  # released by the holder
+    await store._redis.set("t:s:{s2}:lock", "a crashed holder", px=100)
+    async with other.locked_state("s2") as state:  # the dead holder's lease ran out within the wait
+        assert state is not None and state.version == 1
+    async with other.locked_state("gone") as missing:
+        assert missing is None
+    await store.close()
+    await other.close()
+
+
+@pytest.mark.integration
+async def test_expiry_is_counted_once_across_replicas(redis_url: str) -> None:
+    replicas = [make_store(redis_url) for _ in range(2)]
+    await replicas[0].create(meta("short", ttl_s=0.2))
+    await replicas[0].create(meta("long", ttl_s=60.0))
+    assert (await replicas[1].reap()).num_live == 2
+    await asyncio.sleep(0.4)
+    results = await asyncio.gather(*(r.reap() for r in replicas))
+    assert sum(r.num_expired for r in results) == 1 and all(r.num_live == 1 for r in results)
+    assert await replicas[1].get_meta("short") is None
+    assert await replicas[1].list_sessions("job-1", 10) == ["long"]
+    config = dataclasses.replace(meta("x").model, engine_pool="pool-9")
+    await replicas[0].put_job_config("job-1", config)
+    assert await replicas[1].get_job_config("job-1") == config
+    for replica in replicas:
+        await replica.close()
