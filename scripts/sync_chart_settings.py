@@ -72,6 +72,7 @@ def render(values_text: str) -> str:
         reference = match.group("ref")
         component = next(key for key, ref in COMPONENT_SETTINGS.items() if ref == reference)
         secret_fields = {entry["field"] for entry in values[component].get("secretEnv", [])}
+        secret_fields |= set(values[component].get("links", {}))
         return settings_block(reference, match.group("indent"), secret_fields, CHART_DEFAULTS.get(component, {}))
 
     return _BLOCK_RE.sub(replace, values_text)

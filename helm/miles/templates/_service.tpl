@@ -10,6 +10,23 @@ settings (-> MILES_<envPrefix>_*), usesRedis, extraEnv, autoscaling, podDisrupti
 {{- if hasKey $c.ports "metrics" }}{{ $c.ports.metrics }}{{ else }}{{ $c.ports.http }}{{ end -}}
 {{- end -}}
 
+{{/*
+Where another shared service is reached: "componentKey" -> http://<fullname>-<component>:<http port>,
+"componentKey:grpc" -> <fullname>-<component>:<grpc port>.
+*/}}
+{{- define "miles.linkValue" -}}
+{{- $parts := splitList ":" .target -}}
+{{- $key := first $parts -}}
+{{- $target := index .root.Values $key | required (printf "links: unknown component %q" $key) -}}
+{{- $component := $key | kebabcase -}}
+{{- $host := printf "%s-%s" (include "miles.fullname" .root) $component -}}
+{{- if eq (last $parts) "grpc" -}}
+{{- printf "%s:%v" $host $target.ports.grpc -}}
+{{- else -}}
+{{- printf "http://%s:%v" $host $target.ports.http -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "miles.serviceDeployment" -}}
 {{- $root := .root -}}
 {{- $c := index $root.Values .key -}}
@@ -75,6 +92,10 @@ spec:
             - name: MILES_{{ $c.envPrefix }}_METRICS_PORT
               value: {{ $c.ports.metrics | quote }}
             {{- end }}
+            {{- range $field, $target := $c.links }}
+            - name: MILES_{{ $c.envPrefix }}_{{ $field | upper }}
+              value: {{ include "miles.linkValue" (dict "root" $root "target" $target) | quote }}
+            {{- end }}
             {{- range $portName, $field := $c.portSettings }}
             - name: MILES_{{ $c.envPrefix }}_{{ $field | upper }}
               value: {{ index $c.ports $portName | quote }}
@@ -120,10 +141,16 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- with $c.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir:
             sizeLimit: {{ $c.tmpSizeLimit | default "1Gi" }}
+        {{- with $c.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
 {{- end -}}
 
 {{- define "miles.serviceService" -}}
