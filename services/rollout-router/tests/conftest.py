@@ -5,8 +5,8 @@ fail the way real engines fail: refuse connections (stopped), close the socket b
 middle of a body or a stream, answer 5xx, be slow. It speaks the /generate protocol shape (sglang-protocol.md §1:
 `text`/`output_ids`/`meta_info` with `prompt_tokens`, `cached_tokens` from a real longest-prefix cache,
 `weight_version`; SSE with cumulative chunks and `data: [DONE]`), the OpenAI routes with `usage`, and
-/health, /model_info, /server_info. The real CPU engine (`miles-engine`) replaces it in phase 2 integration
-tests; these stay for failure injection.
+/health, /model_info, /server_info. These stay for failure injection; test_router_engines_integration.py runs the
+router against real `miles-engine --fake-model` processes.
 """
 
 from __future__ import annotations

@@ -90,6 +90,21 @@ def test_prefix_placement_groups_episodes_of_one_prompt(make_pool: Any, make_rou
     assert pool.policy.cache_tree_units(first.url) > 100
 
 
+def test_prefix_placement_does_not_pile_new_sessions_on_a_shared_prefix(make_pool: Any, make_routing: Any) -> None:
+    # Every session starts with the same system prompt: its holder is the longest match for every new key, but an
+    # engine at or above its bounded-load share (ceil(1.25 * (total + 1) / engines)) takes no new key.
+    _, pool, engines = make_pool(4, new_key_placement="prefix")
+    system_prompt = list(range(400))
+    placed = []
+    for i in range(16):
+        selection = pool.select(make_routing(f"task-{i}", [*system_prompt, 10_000 + i]))
+        selection.engine.slots.num_in_flight += 1  # each session keeps a request in flight
+        placed.append(selection.engine)
+    counts = Counter(engine.url for engine in placed)
+    assert len(counts) == 4 and max(counts.values()) <= 5  # the bound for 16 in flight over 4 engines
+    assert all(engine.slots.num_in_flight == counts[engine.url] for engine in engines)
+
+
 def test_request_without_key_is_not_remembered(make_pool: Any, make_routing: Any) -> None:
     _, pool, engines = make_pool(2)
     selection = pool.select(make_routing(None))
@@ -119,6 +134,20 @@ def test_cache_aware_balances_when_load_is_imbalanced(make_pool: Any, make_routi
     assert selection.branch == "imbalanced" and selection.engine is not home
     # The prompt was still recorded for the chosen engine, as SGLang does.
     assert pool.policy.cache_tree_units(selection.engine.url) == 100
+
+
+def test_cache_aware_spills_a_prefix_every_request_shares(make_pool: Any, make_routing: Any) -> None:
+    # A system prompt that every task shares matches best on whichever engine saw it first; with 24 requests in
+    # flight SGLang's imbalance rule (max - min > 64) never fires, so without the spill gate all would go there.
+    _, pool, engines = make_pool(4, policy="cache_aware")
+    system_prompt = list(range(400))
+    for i in range(24):
+        selection = pool.select(make_routing(None, [*system_prompt, 10_000 + i]))
+        selection.engine.slots.num_in_flight += 1
+    loads = sorted(engine.slots.num_in_flight for engine in engines)
+    # A holder takes new work until its load exceeds the mean (6 at the end) by max(4, 2 * sqrt(mean)) and
+    # 1.5 x the mean; then the least-loaded engine takes the request (and becomes a holder too).
+    assert loads[-1] <= 11 and sum(1 for load in loads if load) >= 3, loads
 
 
 def test_cache_aware_learns_output_tokens(make_pool: Any, make_routing: Any) -> None:

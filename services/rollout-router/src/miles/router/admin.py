@@ -12,6 +12,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from miles.router.clients import EngineClients
 from miles.router.engine import EngineSource, normalize_engine_url
 from miles.router.errors import InvalidRoutingInputError
 from miles.router.monitor import EngineMonitor
@@ -30,9 +31,12 @@ class DrainResult:
 
 
 class RouterAdmin:
-    def __init__(self, registry: PoolRegistry, monitor: EngineMonitor, settings: RouterSettings) -> None:
+    def __init__(
+        self, registry: PoolRegistry, monitor: EngineMonitor, settings: RouterSettings, clients: EngineClients
+    ) -> None:
         self.registry = registry
         self.monitor = monitor
+        self.clients = clients
         self.settings = settings
 
     async def register_engine(
@@ -59,7 +63,9 @@ class RouterAdmin:
     def deregister_engine(self, pool_name: str, url: str) -> bool:
         pool, engine = self.registry.engine(_pool_name(pool_name, self.settings), url)
         removed = pool.remove(engine.url) is not None
-        self.monitor.prober.forget(engine.url)
+        if not any(engine.url in other.engines for other in self.registry.pools.values()):
+            self.monitor.prober.forget(engine.url)
+            self.clients.retire(engine)
         log.info("engine deregistered", extra={"pool": pool.name, "engine": engine.url})
         return removed
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 
 from miles.common.errors import MilesError
+from miles.router.clients import EngineClients
 from miles.router.engine import Engine
 from miles.router.errors import (
     BackpressureError,
@@ -93,13 +94,13 @@ class Forwarder:
     def __init__(
         self,
         registry: PoolRegistry,
-        client: httpx.AsyncClient,
+        clients: EngineClients,
         settings: RouterSettings,
         on_version_stale: VersionStaleHook | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
-        self.client = client
+        self.clients = clients
         self.settings = settings
         self.on_version_stale = on_version_stale
         self.clock = clock
@@ -155,10 +156,11 @@ class Forwarder:
         is_last: bool,
     ) -> ForwardedResponse | _Retry:
         engine = lease.engine
-        upstream_request = self.client.build_request(method, engine.url + request.route, content=body, headers=headers)
+        client = self.clients.get(engine.url)
+        upstream_request = client.build_request(method, engine.url + request.route, content=body, headers=headers)
         sent_s = self.clock()
         try:
-            response = await self.client.send(upstream_request, stream=True)
+            response = await client.send(upstream_request, stream=True)
         except httpx.TransportError as exc:
             lease.release()
             return self._transport_failed(pool, engine, exc, connected=False)

@@ -17,6 +17,14 @@ import math
 from collections.abc import Callable, Collection
 
 
+def load_bound(total_load: int, num_engines: int, load_factor: float) -> int:
+    """Bounded load: the most requests one of `num_engines` engines may hold, ceil(factor * (total + 1) / n).
+
+    Always above the least-loaded engine's load (which is at most total / n), so some engine is always under it.
+    """
+    return math.ceil(load_factor * (total_load + 1) / num_engines)
+
+
 def hash64(data: str) -> int:
     """A stable 64-bit hash (the same on every process and platform, unlike hash())."""
     return int.from_bytes(hashlib.blake2b(data.encode("utf-8"), digest_size=8).digest(), "little")
@@ -80,8 +88,7 @@ class HashRing:
         walk = [url for url in self.walk(key) if url in candidates]
         if not walk:
             return None
-        total_load = sum(load_of(url) for url in walk)
-        capacity = math.ceil(load_factor * (total_load + 1) / len(walk))
+        capacity = load_bound(sum(load_of(url) for url in walk), len(walk), load_factor)
         for url in walk:
             if load_of(url) < capacity:
                 return url

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from miles.router.clients import EngineClients
 from miles.router.engine import parse_weight_version
 
 _VERSION_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
@@ -27,15 +28,15 @@ class EngineCapacity:
 
 
 class EngineProber:
-    def __init__(self, client: httpx.AsyncClient, health_path: str, timeout_s: float) -> None:
-        self.client = client
+    def __init__(self, clients: EngineClients, health_path: str, timeout_s: float) -> None:
+        self.clients = clients
         self.health_path = health_path
         self.timeout_s = timeout_s
         self._version_path: dict[str, str] = {}
 
     async def health(self, url: str) -> bool:
         try:
-            response = await self.client.get(url + self.health_path, timeout=self.timeout_s)
+            response = await self.clients.get(url).get(url + self.health_path, timeout=self.timeout_s)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -44,7 +45,7 @@ class EngineProber:
         """(answered, version): answered is False when no path gave a weight_version field."""
         known = self._version_path.get(url)
         for path in (known,) if known else _VERSION_PATHS:
-            info = await self._get_json(url + path)
+            info = await self._get_json(url, path)
             if info is not None and "weight_version" in info:
                 self._version_path[url] = path
                 return True, parse_weight_version(info["weight_version"])
@@ -53,7 +54,7 @@ class EngineProber:
 
     async def capacity(self, url: str) -> EngineCapacity:
         for path in _SERVER_INFO_PATHS:
-            info = await self._get_json(url + path)
+            info = await self._get_json(url, path)
             if info is not None:
                 return EngineCapacity(
                     max_running_requests=_positive_int(info, "max_running_requests"),
@@ -64,9 +65,9 @@ class EngineProber:
     def forget(self, url: str) -> None:
         self._version_path.pop(url, None)
 
-    async def _get_json(self, url: str) -> dict[str, Any] | None:
+    async def _get_json(self, url: str, path: str) -> dict[str, Any] | None:
         try:
-            response = await self.client.get(url, timeout=self.timeout_s)
+            response = await self.clients.get(url).get(url + path, timeout=self.timeout_s)
         except httpx.HTTPError:
             return None
         if response.status_code != 200:

@@ -12,11 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
-
-from miles.common.http_client import traced_async_client
 from miles.common.telemetry import Metrics
 from miles.router.admin import RouterAdmin
+from miles.router.clients import EngineClients
 from miles.router.engine import Engine, EngineSource
 from miles.router.forwarder import Forwarder
 from miles.router.k8s_discovery import EndpointSliceDiscovery
@@ -32,7 +30,7 @@ from miles.router.settings import RouterSettings
 class RouterService:
     settings: RouterSettings
     registry: PoolRegistry
-    client: httpx.AsyncClient
+    clients: EngineClients
     forwarder: Forwarder
     monitor: EngineMonitor
     admin: RouterAdmin
@@ -45,22 +43,17 @@ class RouterService:
         router_metrics = RouterMetrics(metrics)
         registry = PoolRegistry(settings, router_metrics, clock)
         metrics.registry.register(EngineCollector(metrics, registry.engine_snapshots, registry.pool_stats))
-        client = traced_async_client(
-            timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=512),
-            follow_redirects=False,
-            trust_env=False,
-        )
-        prober = EngineProber(client, settings.health_check_path, settings.health_check_timeout_s)
+        clients = EngineClients(settings)
+        prober = EngineProber(clients, settings.health_check_path, settings.health_check_timeout_s)
         monitor = EngineMonitor(registry, prober, settings, clock)
-        admin = RouterAdmin(registry, monitor, settings)
+        admin = RouterAdmin(registry, monitor, settings, clients)
 
         def on_version_stale(pool: EnginePool, engine: Engine) -> None:
             asyncio.get_running_loop().create_task(monitor.refresh_version(pool, engine))
 
-        forwarder = Forwarder(registry, client, settings, on_version_stale, clock)
+        forwarder = Forwarder(registry, clients, settings, on_version_stale, clock)
         discovery = EndpointSliceDiscovery(settings, admin.sync_discovered) if settings.k8s_discovery else None
-        return cls(settings, registry, client, forwarder, monitor, admin, discovery)
+        return cls(settings, registry, clients, forwarder, monitor, admin, discovery)
 
     async def start(self) -> None:
         """Register the static engines (probing each), then start monitoring and discovery."""
@@ -81,7 +74,7 @@ class RouterService:
         if self.discovery is not None:
             self.discovery.stop()
         await self.monitor.stop()
-        await self.client.aclose()
+        await self.clients.aclose()
 
     async def check_ready(self) -> None:
         """Readiness: Kubernetes discovery (when on) has applied its first listing."""

@@ -46,10 +46,11 @@ class RouterSettings(ServiceSettings):
     pool_policies: dict[str, PolicyName] = {}
     """Per-pool override of `policy`: {"pool": "cache_aware"} (JSON)."""
 
-    new_key_placement: NewKeyPlacement = "least_load"
-    """session_affinity: where a routing key seen for the first time (or a request without key) goes:
-    least_load (least-loaded engine, then fewest sticky sessions), prefix (the engine holding the longest
-    cached prefix, cache_aware rules, else least-loaded) or hash (consistent hashing with bounded load; the same
+    new_key_placement: NewKeyPlacement = "prefix"
+    """session_affinity: where a routing key seen for the first time (or a request without key) goes: prefix
+    (cache_aware rules among the engines below their bounded-load share: the longest cached prefix, e.g. a sibling
+    episode of the same GRPO prompt, else the least-loaded; best hit rate in make bench-router), least_load
+    (least-loaded engine, then fewest sticky sessions) or hash (consistent hashing with bounded load; the same
     answer on every router replica)."""
 
     sticky_max_keys: int = Field(default=1_000_000, ge=1)
@@ -70,11 +71,13 @@ class RouterSettings(ServiceSettings):
     (SGLang router default 0.3)."""
 
     balance_abs_threshold: int = Field(default=64, ge=0)
-    """cache_aware: load is imbalanced when max - min load exceeds this (requests) ... (SGLang default 64)."""
+    """cache_aware: load is imbalanced when max - min load exceeds this (requests) ... (SGLang default 64). Also
+    caps the spill margin: the prefix holder is skipped when its load exceeds the mean by min(this, max(4,
+    2 * sqrt(mean))) and the mean * balance_rel_threshold."""
 
     balance_rel_threshold: float = Field(default=1.5, ge=1.0)
     """cache_aware: ... and max load exceeds min load * this (SGLang default 1.5); then the least-loaded engine
-    is chosen regardless of prefix."""
+    is chosen regardless of prefix. Also the relative part of the spill gate."""
 
     cache_tree_max_tokens_per_engine: int = Field(default=1_048_576, ge=1)
     """Prefix tree budget per engine (tokens; characters for text prompts) when the engine does not report its
@@ -123,7 +126,7 @@ class RouterSettings(ServiceSettings):
     """Longest pause between retries."""
 
     max_connections: int = Field(default=4096, ge=1)
-    """Open HTTP connections to all engines together (httpx pool limit)."""
+    """Open HTTP connections to one engine (each engine has its own connection pool)."""
 
     # --- health, circuit breaker, versions ----------------------------------------------------------------------
     health_check_path: str = "/health"

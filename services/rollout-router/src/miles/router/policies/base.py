@@ -30,7 +30,8 @@ class StickyOutcome(enum.Enum):
 class Selection:
     engine: Engine
     branch: str
-    """Which rule decided, for metrics: sticky, rehome, least_load, prefix, low_match, imbalanced, hash, round_robin."""
+    """Which rule decided, for metrics: sticky, rehome, least_load, prefix, low_match, imbalanced, spill, hash,
+    round_robin."""
     sticky: StickyOutcome | None = None
 
 

@@ -4,7 +4,13 @@ For one request among the candidates:
 1. If load is imbalanced — (max - min) > balance_abs_threshold and max > min * balance_rel_threshold, loads in
    requests in flight + queued — take the least-loaded engine.
 2. Else match the prompt in the tree; the candidate with the longest match wins if matched / prompt length is
-   above cache_threshold (strictly), else the least-loaded engine.
+   above cache_threshold (strictly) — unless it *spills* (below) — else the least-loaded engine.
+   Spill gate (smg 1.13's): the prefix holder is passed over for the least-loaded engine when its load exceeds
+   the candidates' mean load by a margin — balance_abs_threshold, capped at two standard deviations of an
+   in-flight count at that mean, 2 * sqrt(mean), but not below 4 — and exceeds mean * balance_rel_threshold.
+   Step 1 alone (SGLang's router before smg 1.x) never fires while fewer than balance_abs_threshold requests are
+   in flight, so a prefix every request shares (a system prompt) pulled all traffic onto one engine; the gate
+   bounds that pile-up to the natural swing of the load.
 3. Record the prompt for the chosen engine in the tree (in every branch, as SGLang does), then evict that
    engine's least recently used entries beyond its budget: the KV capacity the engine reports, else
    cache_tree_max_tokens_per_engine.
@@ -17,7 +23,8 @@ matches in full; an engine's entries are dropped when it loses its cache (new we
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from miles.router.engine import Engine
@@ -48,6 +55,13 @@ class PrefixIndex:
             and max_load > min_load * self.config.balance_rel_threshold
         )
 
+    def spills(self, engine: Engine, candidates: Sequence[Engine]) -> bool:
+        """The spill gate of step 2 (module docstring)."""
+        mean = sum(candidate.slots.load_requests for candidate in candidates) / len(candidates)
+        margin = min(self.config.balance_abs_threshold, max(4.0, 2.0 * math.sqrt(mean)))
+        load = engine.slots.load_requests
+        return load - mean > margin and load > mean * self.config.balance_rel_threshold
+
     def best_match(self, key: bytes, candidates: Sequence[Engine]) -> tuple[Engine | None, float]:
         """The candidate holding the longest prefix of `key` (fewest load on ties) and its match rate."""
         if not key:
@@ -63,14 +77,23 @@ class PrefixIndex:
                 best, best_len = engine, length
         return best, best_len / num_units(key)
 
-    def choose(self, key: bytes, candidates: Sequence[Engine], tie_key: str) -> tuple[Engine, str]:
-        """cache_aware steps 1-2: (engine, branch) with branch in imbalanced | prefix | low_match."""
+    def choose(
+        self,
+        key: bytes,
+        candidates: Sequence[Engine],
+        tie_key: str,
+        num_keys: Callable[[str], int] | None = None,
+    ) -> tuple[Engine, str]:
+        """cache_aware steps 1-2: (engine, branch) with branch in imbalanced | prefix | low_match. `num_keys` breaks
+        least-loaded ties by fewest sticky sessions (see base.least_loaded)."""
         if len(candidates) > 1 and self.is_imbalanced(candidates):
-            return least_loaded(candidates, tie_key), "imbalanced"
+            return least_loaded(candidates, tie_key, num_keys), "imbalanced"
         best, rate = self.best_match(key, candidates)
         if best is not None and rate > self.config.cache_threshold:
+            if len(candidates) > 1 and self.spills(best, candidates):
+                return least_loaded(candidates, tie_key, num_keys), "spill"
             return best, "prefix"
-        return least_loaded(candidates, tie_key), "low_match"
+        return least_loaded(candidates, tie_key, num_keys), "low_match"
 
     def record(self, key: bytes, engine: Engine) -> None:
         """Step 3: the engine now (probably) caches `key`; keep its share of the tree within budget."""

@@ -5,10 +5,13 @@
   it failed this request) → the key is re-homed by consistent hashing with bounded load, so the sessions of a lost
   engine spread evenly (no survivor takes more than hash_load_factor * its share) and identically on every router
   replica. The next turn re-prefills there; the move is counted as a miss.
-- New key (or one forgotten after sticky_idle_s / beyond sticky_max_keys) → `new_key_placement`: least_load
-  (default; among equally loaded engines the one with the fewest sticky sessions), prefix (cache_aware rules:
-  the engine with the longest cached prefix of the prompt, e.g. a sibling episode of the same GRPO group, unless
-  load is imbalanced) or hash (bounded-load consistent hashing).
+- New key (or one forgotten after sticky_idle_s / beyond sticky_max_keys) → `new_key_placement`: prefix
+  (default: cache_aware rules among the engines below their bounded-load share — the engine with the longest
+  cached prefix of the prompt, e.g. a sibling episode of the same GRPO group, else the least-loaded), least_load
+  (among equally loaded engines the one with the fewest sticky sessions) or hash (bounded-load consistent
+  hashing). `make bench-router` chose the default: prefix keeps the most cache (a GRPO group's later episodes
+  find their shared prompt) at the same balance; the bound matters, without it a system prompt that every
+  session shares pulled every new session onto one engine.
 - No key → placed like a new key, and nothing is remembered.
 Engines that join take no existing session (that would cost a cache miss); they fill up with new keys.
 
@@ -25,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from miles.router.engine import Engine
-from miles.router.hashring import HashRing
+from miles.router.hashring import HashRing, load_bound
 from miles.router.policies.base import RoutingPolicy, Selection, StickyOutcome, least_loaded
 from miles.router.policies.prefix import PrefixConfig, PrefixIndex
 from miles.router.routing_input import RoutingInput
@@ -118,10 +121,20 @@ class SessionAffinityPolicy(RoutingPolicy):
         if placement == "hash":
             return self._rehome(tie_key, candidates), "hash"
         if placement == "prefix" and self.index is not None:
-            engine, branch = self.index.choose(request.prefix_key, candidates, tie_key)
+            eligible = self._under_load_bound(candidates)
+            engine, branch = self.index.choose(request.prefix_key, eligible, tie_key, self.num_sticky_keys)
             self.index.record(request.prefix_key, engine)
             return engine, branch
         return least_loaded(candidates, tie_key, self.num_sticky_keys), "least_load"
+
+    def _under_load_bound(self, candidates: Sequence[Engine]) -> list[Engine]:
+        """prefix placement: only engines below the bounded-load share compete for a new key. A prefix that every
+        session shares (a system prompt) would otherwise pull every new session onto the first engine that saw it:
+        cache_aware's imbalance thresholds (64 requests) never fire in a pool with fewer requests in flight."""
+        bound = load_bound(
+            sum(engine.slots.load_requests for engine in candidates), len(candidates), self.config.hash_load_factor
+        )
+        return [engine for engine in candidates if engine.slots.load_requests < bound]
 
     def _rehome(self, key: str, candidates: Sequence[Engine]) -> Engine:
         by_url = {engine.url: engine for engine in candidates}
