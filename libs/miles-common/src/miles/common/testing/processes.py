@@ -1,11 +1,15 @@
 """Start a miles service as a real subprocess on a known port and wait for its /readyz.
 
 Logs go to a file (printed when readiness fails, so a broken start-up explains itself in the test output).
+Children get SIGTERM when the process that started them dies (Linux PR_SET_PDEATHSIG), so a test run that is
+killed (timeout, Ctrl-C twice) does not leave servers behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import signal
 import subprocess
@@ -14,6 +18,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when its parent exits (no-op where prctl is missing)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def wait_for_http_ready(url: str, timeout_s: float = 60.0, process: subprocess.Popen[bytes] | None = None) -> None:
@@ -63,6 +78,7 @@ class ServiceProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         if self.ready_url is not None:
             try:

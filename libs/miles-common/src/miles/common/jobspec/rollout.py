@@ -1,0 +1,268 @@
+"""The rollout section of a job spec: where prompts come from, which agent runs them, how episodes are scored
+and grouped, and how many run at once.
+
+The controller validates it as part of the whole `JobSpec` (422 naming the field path) and hands it to each
+rollout worker as `{"rollout": {...}}` inside the JSON file named by `MILES_ROLLOUT_CONFIG_FILE`; the worker
+validates it again at start-up with this same model. Every field has a default except `dataset.path` and
+`agent.function`. Dotted paths (`module:function`) are imported by the worker, never by the controller.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DOTTED_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+"""`package.module:function`: the module is imported (after `python_path` is put on sys.path), then the
+attribute is read."""
+
+REQUEST_KWARGS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "seed",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "chat_template_kwargs",
+    }
+)
+"""OpenAI Chat Completions fields a job may set for its agents (what the session server accepts)."""
+
+
+class _Section(BaseModel):
+    """Base of every part of the rollout section: unknown keys refused, field docstrings kept, immutable."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class DatasetSpec(_Section):
+    """Prompts: one row per prompt, read whole into memory at start-up."""
+
+    path: str = Field(min_length=1)
+    """JSONL or Parquet file: a local path (relative to the worker's working directory) or any fsspec URL
+    whose filesystem is installed (`s3://`, `gs://`, `https://` ...)."""
+
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    """File format; `auto` reads `.parquet` as Parquet and anything else as JSONL."""
+
+    prompt_key: str = "prompt"
+    """Row field holding the prompt: a list of OpenAI messages, or a string (becomes one user message)."""
+
+    label_key: str = "label"
+    """Row field holding the reference answer used by the built-in verifiers (absent: no label)."""
+
+    shuffle: bool = True
+    """Visit prompts in a fresh permutation each epoch (seeded by `seed` and the epoch number)."""
+
+    seed: int = 0
+    """Seed of the per-epoch permutations; the same seed and dataset give the same order on every worker."""
+
+    num_epochs: int | None = Field(default=1, ge=1)
+    """Passes over the dataset; null: forever."""
+
+    limit: int | None = Field(default=None, ge=1)
+    """Use only the first `limit` rows of the file (smoke runs and tests)."""
+
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """Options for the fsspec filesystem of `path` (credentials normally come from the environment)."""
+
+
+class AgentSpec(_Section):
+    """The user's agent: `async def agent(base_url, prompt, request_kwargs, metadata) -> dict | None`."""
+
+    function: str = Field(pattern=DOTTED_PATH_PATTERN)
+    """Dotted path `module:function` of the agent coroutine function."""
+
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put in front of sys.path before importing `function` (relative: to the working directory)."""
+
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Wall-clock limit of one episode's agent call; past it the agent is cancelled and the episode is ABORTED
+    (reason `timeout`)."""
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Free-form configuration handed to the agent as `metadata["agent_config"]`."""
+
+
+class AgentRewardSpec(_Section):
+    """The agent's returned `reward` is the reward (0.0 and `reward_missing` in metadata when it gives none)."""
+
+    type: Literal["agent"] = "agent"
+
+
+class ExactMatchRewardSpec(_Section):
+    """1.0 when the answer equals the label after trimming and collapsing whitespace, else 0.0."""
+
+    type: Literal["exact_match"]
+    case_sensitive: bool = False
+    """Compare case-sensitively."""
+
+
+class NumericRewardSpec(_Section):
+    """1.0 when the last number of the answer (or its `\\boxed{}`) equals the label's number within tolerance."""
+
+    type: Literal["numeric"]
+    abs_tolerance: float = Field(default=1e-6, ge=0)
+    """Absolute tolerance of the comparison."""
+    rel_tolerance: float = Field(default=1e-6, ge=0)
+    """Relative tolerance of the comparison."""
+
+
+class RegexRewardSpec(_Section):
+    """With a capture group: 1.0 when the first group of the first match equals the label; without: 1.0 when
+    the pattern matches the answer at all."""
+
+    type: Literal["regex"]
+    pattern: str = Field(min_length=1)
+    """Python regular expression searched in the answer."""
+
+
+class UnitTestsRewardSpec(_Section):
+    """Runs the row's tests against the answer in a fresh sandbox: 1.0 when the test command exits 0, else
+    0.0 (with `partial_credit`: the fraction of `PASS` lines among `PASS`/`FAIL` lines it printed)."""
+
+    type: Literal["unit_tests"]
+    tests_key: str = "tests"
+    """Row field holding the test file's text."""
+    solution_file: str = "solution.py"
+    """File the answer (code; a ```python fenced block is unwrapped) is written to in the sandbox work dir."""
+    tests_file: str = "test_solution.py"
+    """File the tests are written to."""
+    command: str = "python3 test_solution.py"
+    """Shell command that runs the tests; exit code 0 means they passed."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Wall-clock limit of the test command."""
+    partial_credit: bool = False
+    """Score the fraction of `PASS` among `PASS`/`FAIL` output lines instead of pass/fail."""
+    template: str = ""
+    """Sandbox template ("" = the gateway's default)."""
+
+
+class FunctionRewardSpec(_Section):
+    """A user reward function: `async def reward(prompt, samples, agent_result) -> float | list[float]`."""
+
+    type: Literal["function"]
+    function: str = Field(pattern=DOTTED_PATH_PATTERN)
+    """Dotted path `module:function` of the reward coroutine function."""
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put in front of sys.path before importing `function`."""
+
+
+RewardSpec = Annotated[
+    AgentRewardSpec
+    | ExactMatchRewardSpec
+    | NumericRewardSpec
+    | RegexRewardSpec
+    | UnitTestsRewardSpec
+    | FunctionRewardSpec,
+    Field(discriminator="type"),
+]
+
+
+class GroupFilterSpec(_Section):
+    """Group-level filters run by the worker before a group is pushed (dropped groups are counted)."""
+
+    drop_equal_rewards: bool = False
+    """Drop groups whose trainable samples all have the same reward (zero GRPO advantage; DAPO)."""
+
+    min_valid_samples: int = Field(default=1, ge=0)
+    """Drop groups with fewer trainable (COMPLETED or TRUNCATED) samples than this (0 behaves as 1)."""
+
+
+class PartialRolloutSpec(_Section):
+    """Episodes whose turns were generated under more than one weight version (a weight update landed while
+    the episode ran)."""
+
+    policy: Literal["keep", "keep_per_span", "regenerate"] = "keep_per_span"
+    """`keep`: train on it as if the oldest version produced all of it (one span at the oldest version).
+    `keep_per_span`: keep each turn's own version (the trainer corrects per span). `regenerate`: discard it and
+    run the episode again, up to `max_regenerations` times; then ABORTED (reason `version_span`)."""
+
+    max_regenerations: int = Field(default=2, ge=0)
+    """Extra attempts the `regenerate` policy may make per episode."""
+
+
+class ConcurrencySpec(_Section):
+    """How many episodes one worker keeps in flight."""
+
+    max_live_episodes: int | None = Field(default=None, ge=1)
+    """Episodes in flight at once; null: `ceil(engine_slots * oversubscription)`."""
+
+    engine_slots: int = Field(default=32, ge=1)
+    """Requests the job's engines serve at once (engines x max running requests) for this worker's share."""
+
+    oversubscription: float = Field(default=1.5, ge=1.0)
+    """Episodes per engine slot: an episode also spends time in tools and its own code, not only generating."""
+
+    @property
+    def resolved_max_live_episodes(self) -> int:
+        if self.max_live_episodes is not None:
+            return self.max_live_episodes
+        return max(1, math.ceil(self.engine_slots * self.oversubscription))
+
+
+class RolloutSpec(_Section):
+    """The rollout section of a job spec."""
+
+    dataset: DatasetSpec
+    """Where the prompts come from."""
+
+    agent: AgentSpec
+    """The agent every episode runs."""
+
+    reward: RewardSpec = AgentRewardSpec()
+    """How an episode is scored after it ends (the agent's own reward by default)."""
+
+    n_samples_per_prompt: int = Field(default=8, ge=1, le=1024)
+    """Episodes per prompt; they form one group (GRPO)."""
+
+    group_filters: GroupFilterSpec = GroupFilterSpec()
+    """Filters a finished group must pass to be pushed."""
+
+    request_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """OpenAI Chat Completions parameters handed to the agent (`temperature`, `max_tokens`, `top_p` ...)."""
+
+    max_seq_len: int | None = Field(default=None, ge=2)
+    """Longest trained sequence (prompt + every turn, tokens); longer episodes are cut and TRUNCATED. Also
+    handed to the agent as `metadata["max_seq_len"]` so it can stop early."""
+
+    sample_mode: Literal["merge", "per_turn"] = "merge"
+    """`merge`: one sample per episode; `per_turn`: one sample per model call."""
+
+    partial_rollout: PartialRolloutSpec = PartialRolloutSpec()
+    """What happens to episodes that span several weight versions."""
+
+    concurrency: ConcurrencySpec = ConcurrencySpec()
+    """Episodes in flight per worker."""
+
+    session_ttl_s: float | None = Field(default=None, gt=0)
+    """Idle expiry of the episode's session (a safety net if the worker dies); null: agent timeout + 300 s."""
+
+    @field_validator("request_kwargs")
+    @classmethod
+    def _known_request_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - REQUEST_KWARGS)
+        if unknown:
+            raise ValueError(f"unknown request kwargs {unknown}; allowed: {sorted(REQUEST_KWARGS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _filters_fit_group(self) -> Self:
+        if self.group_filters.min_valid_samples > self.n_samples_per_prompt:
+            raise ValueError(
+                f"group_filters.min_valid_samples ({self.group_filters.min_valid_samples}) exceeds "
+                f"n_samples_per_prompt ({self.n_samples_per_prompt}): every group would be dropped"
+            )
+        return self
+
+    @property
+    def resolved_session_ttl_s(self) -> float:
+        return self.session_ttl_s if self.session_ttl_s is not None else self.agent.timeout_s + 300.0
