@@ -164,3 +164,24 @@ async def test_update_under_pause_applies_at_once_and_abort_all_aborts(engine: A
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert result["meta_info"]["weight_version"] == "paused-update"
     assert greedy(engine, PROMPT, 2)["meta_info"]["weight_version"] == "after-abort"
+
+
+def test_min_weight_version_is_a_retryable_409_until_the_engine_serves_it(engine: Any) -> None:
+    """DESIGN.md §4.4: an engine that is behind answers 409 (body field or header), never stale tokens."""
+    engine.post("/update_weight_version", {"new_version": "4"})
+    request = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    behind = httpx.post(f"{engine.url}/generate", json={**request, "min_weight_version": 5}, timeout=60)
+    behind_by_header = httpx.post(
+        f"{engine.url}/generate", json=request, headers={"X-Miles-Min-Weight-Version": "5"}, timeout=60
+    )
+    served = httpx.post(f"{engine.url}/generate", json={**request, "min_weight_version": 4}, timeout=60)
+    assert behind.status_code == 409
+    assert behind.headers["retry-after"] == "1"
+    assert "weight version 4" in behind.json()["error"]["message"]
+    assert behind_by_header.status_code == 409
+    assert served.status_code == 200
+    assert served.json()["meta_info"]["weight_version"] == "4"
+    engine.post("/update_weight_version", {"new_version": "5"})
+    assert (
+        httpx.post(f"{engine.url}/generate", json={**request, "min_weight_version": 5}, timeout=60).status_code == 200
+    )

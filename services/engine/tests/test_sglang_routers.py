@@ -41,7 +41,8 @@ def _router_argv(kind: str, port: int, metrics_port: int, workers: list[str]) ->
     metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     if kind == "sglang_router":
         return [sys.executable, "-m", "sglang_router.launch_router", *common, *metrics]
-    return [console_script("smg"), "launch", *common, *metrics]
+    # python -m smg: the `smg` console script in .venv belongs to sglang-router 0.3.2 (both wheels ship one).
+    return [sys.executable, "-m", "smg", "launch", *common, *metrics]
 
 
 def _requests_served(url: str) -> float:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from miles.common.errors import MilesError
-from miles.engine.errors import BadRequestError
+from miles.engine.errors import BadRequestError, WeightVersionBehindError
 from miles.engine.output import ResponseBuilder
 from miles.engine.planning import GeneratePlan, Limits, PlannedSequence, plan_generate
 from miles.engine.protocol import GenerateRequest
@@ -43,11 +43,27 @@ class Engine:
         self._inflight_rids: set[str] = set()
 
     # ---- generation -----------------------------------------------------------------------------------------
-    def plan(self, request: GenerateRequest) -> GeneratePlan:
-        """Validate a /generate body; raises BadRequestError (rids in flight included) before any reply starts."""
+    def plan(self, request: GenerateRequest, min_weight_version: int | None = None) -> GeneratePlan:
+        """Validate a /generate body; raises BadRequestError (rids in flight included) before any reply starts,
+        and WeightVersionBehindError when the request demands a newer version than the one served."""
+        self._check_min_weight_version(
+            min_weight_version if min_weight_version is not None else request.min_weight_version
+        )
         plan = plan_generate(request, self.tokenizer, self.limits)
         self._check_rids(plan)
         return plan
+
+    def _check_min_weight_version(self, required: int | None) -> None:
+        if required is None:
+            return
+        served = self.scheduler.weight_version
+        served_number = int(served) if served.lstrip("-").isdigit() else 0  # SGLang's "default" = initial weights
+        if served_number < required:
+            raise WeightVersionBehindError(
+                f"engine serves weight version {served}, request needs >= {required}; retry once it is updated",
+                field="min_weight_version",
+                retry_after_s=1.0,
+            )
 
     def _check_rids(self, plan: GeneratePlan) -> None:
         rids = [s.rid for s in plan.sequences]

@@ -8,7 +8,7 @@ answered by the HTTP layer with SGLang's OpenAI-style 400 body instead.
 
 from __future__ import annotations
 
-from miles.common.errors import InvalidArgumentError, UnavailableError
+from miles.common.errors import ConflictError, InvalidArgumentError, UnavailableError
 
 
 class BadRequestError(InvalidArgumentError):
@@ -27,3 +27,9 @@ class WeightUpdateError(InvalidArgumentError):
     """New weights were refused (unreadable, unknown names, wrong shapes); the old weights stay in place."""
 
     code = "weight_update_failed"
+
+
+class WeightVersionBehindError(ConflictError):
+    """The request demands a newer weight version than this engine serves (409, retry once it is updated)."""
+
+    code = "weight_version_behind"

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from miles.common.errors import MilesError
 from miles.engine.engine import Engine
-from miles.engine.errors import WeightUpdateError
+from miles.engine.errors import BadRequestError, WeightUpdateError
 from miles.engine.info import ServedModel, legacy_load, loads, model_info, models, server_info
 from miles.engine.planning import GeneratePlan
 from miles.engine.protocol import (
@@ -70,7 +70,10 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
             body = GenerateRequest.model_validate_json(await request.body())
         except ValidationError as exc:
             return _schema_error(exc.errors())
-        plan = engine.plan(body)
+        header_version = request.headers.get("x-miles-min-weight-version")
+        if header_version is not None and not header_version.strip().lstrip("-").isdigit():
+            raise BadRequestError(f"X-Miles-Min-Weight-Version must be an integer, got {header_version!r}")
+        plan = engine.plan(body, int(header_version) if header_version is not None else None)
         if plan.stream:
             return StreamingResponse(_sse(engine, plan), media_type="text/event-stream")
         return JSONResponse(await engine.generate(plan))

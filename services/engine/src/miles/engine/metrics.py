@@ -31,7 +31,10 @@ class EngineMetrics:
 
         self.num_running_reqs = gauge("num_running_reqs", "Requests in the running batch")
         self.num_queue_reqs = gauge("num_queue_reqs", "Requests in the waiting queue")
-        self.num_used_tokens = gauge("num_used_tokens", "KV tokens in use (prefix cache + running requests)")
+        self.num_used_tokens = gauge(
+            "num_used_tokens",
+            "KV tokens used by running requests and locked prefixes (evictable cache excluded)",
+        )
         self.token_usage = gauge("token_usage", "num_used_tokens / max_total_num_tokens")
         self.max_total_num_tokens = gauge("max_total_num_tokens", "KV-cache capacity in tokens")
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached / total prompt tokens of the last prefill batch")

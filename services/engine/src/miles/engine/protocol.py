@@ -34,6 +34,9 @@ class GenerateRequest(_Body):
     """Accepted for compatibility; this engine serves no MoE model, so nothing is returned."""
     extra_key: str | list[str] | None = None
     """Cache namespace: sequences with different extra keys never share cached prefixes."""
+    min_weight_version: int | None = None
+    """miles extension (DESIGN.md §4.4): refuse with a retryable 409 unless the engine serves at least this
+    weight version. Also read from the X-Miles-Min-Weight-Version header."""
     session_params: dict[str, Any] | None = None
     image_data: Any = None
     video_data: Any = None

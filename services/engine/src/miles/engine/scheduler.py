@@ -163,7 +163,9 @@ class Scheduler:
             num_running_reqs=len(self._running),
             num_waiting_reqs=len(self._waiting),
             num_waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in list(self._waiting)),
-            num_used_tokens=self._used_tokens(),
+            # As SGLang counts it: KV held by running requests and locked prefixes; the evictable part of the
+            # prefix cache is free to reuse, so load balancers must not read it as usage.
+            num_used_tokens=self._used_tokens() - cache.num_evictable_tokens,
             max_total_num_tokens=self.max_total_tokens,
             num_cached_tokens=cache.num_tokens,
             cache_hit_rate=self._last_hit_rate,
