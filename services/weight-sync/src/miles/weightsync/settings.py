@@ -1,8 +1,16 @@
-"""Settings of the weight-sync (environment prefix MILES_WEIGHTSYNC_), validated at start-up."""
+"""Settings of weight-sync (environment prefix MILES_WEIGHTSYNC_, or the JSON file named by
+MILES_WEIGHTSYNC_CONFIG_FILE), validated at start-up. Per-job daemons get their part of the job spec that way."""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field, model_validator
+
 from miles.common.settings import ServiceSettings, service_config
+
+TransportName = Literal["disk", "delta", "stream"]
+PauseModeName = Literal["drain", "abort", "retract", "in_place"]
 
 
 class WeightsyncSettings(ServiceSettings):
@@ -11,7 +19,98 @@ class WeightsyncSettings(ServiceSettings):
     model_config = service_config("WEIGHTSYNC")
 
     port: int = 50053
-    """gRPC listening port."""
+    """gRPC listening port (WeightSyncService)."""
 
     metrics_port: int = 51053
     """HTTP port for /healthz, /readyz and /metrics."""
+
+    job_id: str = Field(default="default", min_length=1)
+    """Job whose weight versions this daemon stores and rolls out; calls naming another job are NOT_FOUND."""
+
+    store_dir: str = ".miles/weightsync/store"
+    """Local directory of the version store (the chart mounts a volume here); used when store_url is empty."""
+
+    store_url: str = ""
+    """fsspec URL of the version store (e.g. s3://bucket/prefix, gs://..., file:///shared/pvc, memory://x);
+    overrides store_dir. Daemons that open the same URL share one store."""
+
+    snapshot_interval: int = Field(default=10, ge=1)
+    """A full snapshot every this many versions (version 0 always); lossless deltas against the parent between."""
+
+    retain_versions: int = Field(default=20, ge=1)
+    """Newest versions kept readable; older ones are deleted once no kept version's delta chain needs them."""
+
+    zstd_level: int = Field(default=1, ge=1, le=19)
+    """zstd level of stored blobs (1 is fast and already removes the zeros of a sparse delta)."""
+
+    engine_urls: list[str] = []
+    """Engines this daemon loads itself (JSON list): a sidecar's own engine (http://127.0.0.1:<port>) or the
+    engines of a rollout node."""
+
+    peers: list[str] = []
+    """gRPC addresses (host:port) of the other daemons of the job whose engines this daemon coordinates in a
+    rolling update (set on the origin only)."""
+
+    peers_dns: str = ""
+    """"name:port" resolved to every address at each rollout (a headless Service of the sidecars) and added to
+    peers; this daemon's own addresses are skipped."""
+
+    origin: str = ""
+    """gRPC address of the origin daemon (the one the trainer publishes to). Versions missing from this daemon's
+    store are fetched from it (FetchStoredVersion) and full loads stream from it (FetchWeights). "" = this daemon
+    is the origin, or shares the origin's store."""
+
+    router_url: str = ""
+    """Base URL of the rollout router (its admin API under /admin/v1/); "" = no router (pause modes only)."""
+
+    pool: str = ""
+    """Router pool of the job's engines ("" = the router's default pool)."""
+
+    transport: TransportName = "delta"
+    """Default transport of UpdateEngines and automatic rollouts: disk, delta or stream."""
+
+    pause_mode: PauseModeName = "drain"
+    """Default way to quiesce an engine: drain (at the router, waiting for in-flight requests), or
+    /pause_generation with abort, retract or in_place."""
+
+    max_engines_updating: int = Field(default=1, ge=1)
+    """Default bound on engines updating at once, so generation never stops as a whole."""
+
+    engine_timeout_s: float = Field(default=600.0, gt=0)
+    """Default limit for one engine's quiesce + load + resume, seconds."""
+
+    auto_update: bool = True
+    """Roll every stored version out to the engines right after PublishWeights (newest wins when they queue up)."""
+
+    work_dir: str = ".miles/weightsync/work"
+    """Scratch directory for the HF checkpoints the disk transport writes; the engine must see the same path."""
+
+    model_config_dir: str = ""
+    """HF checkpoint directory the job started from: its config.json and generation_config.json are copied next
+    to the weights the disk transport writes (required for the disk transport)."""
+
+    chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    """Bytes per message of FetchWeights / FetchStoredVersion when the caller does not say."""
+
+    fetch_streams: int = Field(default=4, ge=1, le=64)
+    """Concurrent FetchWeights streams a daemon opens to the origin for one full load (tensors split between)."""
+
+    tensor_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Most raw tensor bytes in one /update_weights_from_tensor request (bigger loads are split)."""
+
+    max_publish_bytes: int = Field(default=256 << 30, ge=1)
+    """Largest version accepted by PublishWeights (raw bytes); it is held in memory until committed."""
+
+    engine_request_timeout_s: float = Field(default=600.0, gt=0)
+    """HTTP timeout of one engine or router call (loads can take long on big models)."""
+
+    event_history: int = Field(default=1000, ge=1)
+    """Version events remembered for WatchVersions replays."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> WeightsyncSettings:
+        if self.pause_mode == "drain" and not self.router_url and (self.engine_urls or self.peers or self.peers_dns):
+            raise ValueError("pause_mode 'drain' needs router_url (or choose abort, retract or in_place)")
+        if self.transport == "disk" and not self.model_config_dir:
+            raise ValueError("transport 'disk' needs model_config_dir (the config.json written next to the weights)")
+        return self

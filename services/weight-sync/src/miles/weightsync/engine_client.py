@@ -1,0 +1,115 @@
+"""HTTP clients of what weight-sync drives: an engine's SGLang control endpoints and the router's admin API.
+
+Only the calls of a weight update are here (sglang-protocol.md §3): pause/continue, the three load endpoints,
+/update_weight_version, /model_info, and the NCCL group calls. A refused call (non-2xx, or `success: false`)
+raises EngineUpdateError with the engine's message; a connection failure raises EngineUnreachableError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from miles.common.http_client import traced_async_client
+from miles.weightsync.errors import EngineUnreachableError, EngineUpdateError
+
+
+def _describe(response: httpx.Response) -> str:
+    text = response.text[:500]
+    return f"HTTP {response.status_code}: {text}"
+
+
+class _JsonHttp:
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._client = traced_async_client(base_url=self.base_url, timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def request(self, method: str, path: str, body: Any = None, *, check_success: bool = False) -> Any:
+        try:
+            response = await self._client.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineUnreachableError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code // 100 != 2:
+            raise EngineUpdateError(f"{method} {self.base_url}{path} answered {_describe(response)}")
+        payload = response.json() if response.content else None
+        if check_success and not (isinstance(payload, dict) and payload.get("success") is True):
+            raise EngineUpdateError(f"{method} {self.base_url}{path} did not succeed: {_describe(response)}")
+        return payload
+
+
+class EngineClient(_JsonHttp):
+    """The control endpoints of one SGLang(-compatible) engine."""
+
+    async def weight_version(self) -> str | None:
+        """The version the engine reports (/model_info, else the deprecated /get_model_info)."""
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                info = await self.request("GET", path)
+            except EngineUpdateError:
+                continue
+            if isinstance(info, dict) and info.get("weight_version") is not None:
+                return str(info["weight_version"])
+        return None
+
+    async def pause(self, mode: str) -> None:
+        await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self.request("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> None:
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "abort_all_requests": False,
+            "flush_cache": True,
+        }
+        await self.request("POST", "/update_weights_from_disk", body, check_success=True)
+
+    async def update_weights_from_tensor(self, serialized: list[str], weight_version: str | None) -> None:
+        body = {
+            "serialized_named_tensors": serialized,
+            "load_format": "safetensors",
+            "weight_version": weight_version,
+            "abort_all_requests": False,
+            "flush_cache": True,
+        }
+        await self.request("POST", "/update_weights_from_tensor", body, check_success=True)
+
+    async def update_weight_version(self, version: str) -> None:
+        await self.request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+    async def init_weights_update_group(self, body: dict[str, Any]) -> None:
+        await self.request("POST", "/init_weights_update_group", body, check_success=True)
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
+        await self.request("POST", "/update_weights_from_distributed", body, check_success=True)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name}, check_success=True)
+
+
+class RouterClient(_JsonHttp):
+    """The rollout router's admin API (HTTP mirror of miles.router.v1.RouterAdminService) for one pool."""
+
+    def __init__(self, base_url: str, pool: str, timeout_s: float) -> None:
+        super().__init__(base_url, timeout_s)
+        self.pool = pool
+
+    async def drain(self, engine_url: str, *, wait: bool, timeout_s: float) -> bool:
+        """Stop new requests to the engine; with wait, until nothing is in flight (True) or timeout_s (False)."""
+        body = {"pool": self.pool, "url": engine_url, "wait": wait, "timeout_s": timeout_s}
+        payload = await self.request("POST", "/admin/v1/engines/drain", body)
+        return bool(payload.get("drained")) if isinstance(payload, dict) else False
+
+    async def undrain(self, engine_url: str) -> None:
+        await self.request("POST", "/admin/v1/engines/undrain", {"pool": self.pool, "url": engine_url})
+
+    async def list_engines(self) -> list[dict[str, Any]]:
+        payload = await self.request("GET", f"/admin/v1/engines?pool={self.pool}")
+        engines = payload.get("engines", []) if isinstance(payload, dict) else []
+        return [engine for engine in engines if isinstance(engine, dict)]

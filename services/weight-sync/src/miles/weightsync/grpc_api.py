@@ -1,0 +1,254 @@
+"""gRPC layer of weight-sync (miles.weightsync.v1.WeightSyncService): parse, call the core, translate.
+
+Errors are MilesErrors raised by the core and mapped to gRPC statuses by miles.common's interceptor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from miles.common.errors import InvalidArgumentError, MilesError
+from miles.proto.common.v1 import common_pb2
+from miles.proto.weightsync.v1 import weightsync_pb2 as pb
+from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+from miles.weightsync.engines import PAUSE_MODES, EngineOutcome
+from miles.weightsync.errors import InvalidPublishError, UnsupportedTransportError
+from miles.weightsync.events import ENGINE_UPDATE_FAILED, ENGINE_UPDATED, ROLLOUT_COMPLETE, STORED, VersionEvent
+from miles.weightsync.publish import PublishedVersion
+from miles.weightsync.rollout import PAUSE_TO_PB, TRANSPORT_TO_PB, RolloutPlan
+from miles.weightsync.service import WeightSyncCore
+from miles.weightsync.wire import TensorChecks, encoded_weights_chunks, serialize_weights_message, spec_from_pb
+
+SERVICE_NAME = "miles.weightsync.v1.WeightSyncService"
+_TRANSPORT_FROM_PB = {value: key for key, value in TRANSPORT_TO_PB.items()}
+_PAUSE_FROM_PB = {value: key for key, value in PAUSE_TO_PB.items()}
+_EVENT_KIND = {
+    STORED: pb.VERSION_EVENT_KIND_STORED,
+    ENGINE_UPDATED: pb.VERSION_EVENT_KIND_ENGINE_UPDATED,
+    ENGINE_UPDATE_FAILED: pb.VERSION_EVENT_KIND_ENGINE_UPDATE_FAILED,
+    ROLLOUT_COMPLETE: pb.VERSION_EVENT_KIND_ROLLOUT_COMPLETE,
+}
+
+
+def outcome_to_pb(outcome: EngineOutcome) -> pb.EngineVersion:
+    return pb.EngineVersion(
+        engine_url=outcome.engine_url,
+        weight_version=outcome.weight_version,
+        update_failed=outcome.update_failed,
+        error=outcome.error,
+        fell_back=outcome.fell_back,
+        update_duration_s=outcome.update_duration_s,
+        daemon=outcome.daemon,
+    )
+
+
+def event_to_pb(event: VersionEvent) -> pb.VersionEvent:
+    return pb.VersionEvent(
+        kind=_EVENT_KIND[event.kind],
+        version=event.version,
+        engine_url=event.engine_url,
+        error=event.error,
+        at_unix_ms=event.at_unix_ms,
+        full_bytes=event.full_bytes,
+        stored_bytes=event.stored_bytes,
+        fell_back=event.fell_back,
+    )
+
+
+class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
+    def __init__(self, core: WeightSyncCore) -> None:
+        self.core = core
+
+    async def PublishWeights(
+        self, request_iterator: AsyncIterator[pb.PublishWeightsChunk], context: grpc.aio.ServicerContext
+    ) -> pb.PublishWeightsResponse:
+        metrics = self.core.metrics
+        try:
+            start_s = time.perf_counter()
+            try:
+                published = await self._receive(request_iterator)
+            except MilesError:
+                await self._discard_rest(request_iterator)
+                raise
+            metrics.observe_phase("receive", time.perf_counter() - start_s)
+            manifest = await self.core.store_published(published)
+        except MilesError:
+            metrics.publishes.labels("rejected").inc()
+            raise
+        return pb.PublishWeightsResponse(
+            version=common_pb2.WeightVersion(
+                job_id=manifest.job_id,
+                version=manifest.version,
+                parent_version=manifest.parent_version,
+                manifest_sha256=manifest.manifest_sha256,
+                created_at_unix_ms=manifest.created_at_unix_ms,
+            ),
+            full_bytes=manifest.full_bytes,
+            stored_bytes=manifest.stored_bytes,
+            is_snapshot=manifest.is_snapshot,
+            num_changed_elements=0 if manifest.is_snapshot and manifest.parent_version < 0 else manifest.num_changed,
+            num_elements=manifest.num_elements,
+        )
+
+    async def _receive(self, request_iterator: AsyncIterator[pb.PublishWeightsChunk]) -> PublishedVersion:
+        checks: TensorChecks | None = None
+        async for message in request_iterator:
+            kind = message.WhichOneof("payload")
+            if checks is None:
+                if kind != "header":
+                    raise InvalidPublishError("the first message must be the header", field="header")
+                header = message.header
+                specs = [spec_from_pb(t) for t in header.tensors]
+                checks = TensorChecks(
+                    await self.core.begin_publish(header.job_id, header.version, header.parent_version, specs)
+                )
+            elif kind == "chunk":
+                checks.add_chunk(message.chunk.tensor_index, message.chunk.offset, message.chunk.data)
+            elif kind == "commit":
+                return await checks.commit(message.commit.manifest_sha256)
+            else:
+                raise InvalidPublishError(f"unexpected {kind} after the header", field="payload")
+        raise InvalidPublishError("the stream ended before the commit (truncated)", field="commit")
+
+    async def _discard_rest(self, request_iterator: AsyncIterator[pb.PublishWeightsChunk]) -> None:
+        """Read what the client still sends before answering with the error: grpcio's asyncio client reports
+        INTERNAL instead of the server's status when the call ends while it is still writing (grpc/grpc#36066).
+        Bounded by max_publish_bytes (a legitimate publish never sends more)."""
+        num_bytes = 0
+        async for message in request_iterator:
+            num_bytes += message.ByteSize()
+            if num_bytes > self.core.settings.max_publish_bytes:
+                return
+
+    async def GetVersion(
+        self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetVersionResponse:
+        self.core.check_job(request.job_id)
+        status = await self.core.status()
+        return pb.GetVersionResponse(
+            latest_version=status.latest_version,
+            engines=[outcome_to_pb(outcome) for outcome in status.engines],
+            stored_versions=status.stored_versions,
+        )
+
+    async def WatchVersions(
+        self, request: pb.WatchVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.VersionEvent]:
+        self.core.check_job(request.job_id)
+        async for event in self.core.watch(request.from_version):
+            yield event_to_pb(event)
+
+    async def UpdateEngines(
+        self, request: pb.UpdateEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateEnginesResponse:
+        self.core.check_job(request.job_id)
+        outcomes = await self.core.update_engines(self._plan(request))
+        return pb.UpdateEnginesResponse(
+            engines=[outcome_to_pb(outcome) for outcome in outcomes],
+            num_fallbacks=sum(outcome.fell_back for outcome in outcomes),
+            num_failed=sum(outcome.update_failed for outcome in outcomes),
+        )
+
+    def _plan(self, request: pb.UpdateEnginesRequest) -> RolloutPlan:
+        settings = self.core.settings
+        transport = _TRANSPORT_FROM_PB.get(request.transport, settings.transport)
+        if transport == "nccl":
+            raise UnsupportedTransportError(
+                "nccl is driven from the trainer (miles.weightsync.nccl)", field="transport"
+            )
+        pause_mode = _PAUSE_FROM_PB.get(request.pause_mode, settings.pause_mode)
+        assert pause_mode in PAUSE_MODES
+        if request.max_engines_updating < 0:
+            raise InvalidArgumentError("max_engines_updating must be >= 1 (0 = default)", field="max_engines_updating")
+        if request.engine_timeout_s < 0:
+            raise InvalidArgumentError("engine_timeout_s must be > 0 (0 = default)", field="engine_timeout_s")
+        return RolloutPlan(
+            version=request.version,
+            transport=transport,
+            pause_mode=pause_mode,
+            max_engines_updating=request.max_engines_updating or settings.max_engines_updating,
+            engine_timeout_s=request.engine_timeout_s or settings.engine_timeout_s,
+            engine_urls=tuple(request.engine_urls),
+        )
+
+    async def FetchWeights(
+        self, request: pb.FetchWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PublishWeightsChunk | bytes]:
+        self.core.check_job(request.job_id)
+        num_shards = max(1, request.num_shards)
+        if not 0 <= request.shard_index < num_shards:
+            raise InvalidArgumentError("shard_index must be in [0, num_shards)", field="shard_index")
+        weights = await self.core.full_weights(request.version)
+        chunk_bytes = request.chunk_bytes or self.core.settings.chunk_bytes
+        served = self.core.metrics.served_bytes.labels("fetch_weights")
+        for message in encoded_weights_chunks(
+            self.core.job_id,
+            weights.version,
+            request.version - 1,
+            weights.specs,
+            weights.data,
+            chunk_bytes,
+            shard_index=request.shard_index,
+            num_shards=num_shards,
+        ):
+            if isinstance(message, bytes):
+                served.inc(len(message))
+            yield message
+
+    async def FetchStoredVersion(
+        self, request: pb.FetchStoredVersionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StoredVersionChunk]:
+        self.core.check_job(request.job_id)
+        manifest, blob_sha256s = await self.core.stored_blobs(request.version)
+        yield pb.StoredVersionChunk(manifest_json=manifest.to_json())
+        chunk_bytes = request.chunk_bytes or self.core.settings.chunk_bytes
+        for sha256 in blob_sha256s:
+            data = await self.core.read_blob(sha256)
+            for offset in range(0, max(1, len(data)), chunk_bytes):
+                piece = data[offset : offset + chunk_bytes]
+                self.core.metrics.served_bytes.labels("fetch_stored").inc(len(piece))
+                yield pb.StoredVersionChunk(
+                    blob=pb.BlobChunk(sha256=sha256, total_bytes=len(data), offset=offset, data=piece)
+                )
+
+
+def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated add_WeightSyncServiceServicer_to_server, except that
+    FetchWeights takes pre-encoded chunk bytes (wire.encode_chunk) as well as messages."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "PublishWeights": grpc.stream_unary_rpc_method_handler(
+            servicer.PublishWeights,
+            request_deserializer=pb.PublishWeightsChunk.FromString,
+            response_serializer=pb.PublishWeightsResponse.SerializeToString,
+        ),
+        "GetVersion": grpc.unary_unary_rpc_method_handler(
+            servicer.GetVersion,
+            request_deserializer=pb.GetVersionRequest.FromString,
+            response_serializer=pb.GetVersionResponse.SerializeToString,
+        ),
+        "WatchVersions": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchVersions,
+            request_deserializer=pb.WatchVersionsRequest.FromString,
+            response_serializer=pb.VersionEvent.SerializeToString,
+        ),
+        "UpdateEngines": grpc.unary_unary_rpc_method_handler(
+            servicer.UpdateEngines,
+            request_deserializer=pb.UpdateEnginesRequest.FromString,
+            response_serializer=pb.UpdateEnginesResponse.SerializeToString,
+        ),
+        "FetchWeights": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchWeights,
+            request_deserializer=pb.FetchWeightsRequest.FromString,
+            response_serializer=serialize_weights_message,
+        ),
+        "FetchStoredVersion": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchStoredVersion,
+            request_deserializer=pb.FetchStoredVersionRequest.FromString,
+            response_serializer=pb.StoredVersionChunk.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
