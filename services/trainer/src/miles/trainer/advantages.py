@@ -1,0 +1,79 @@
+"""Advantage estimators: one scalar per sample from the rewards of its group (broadcast to its tokens later).
+
+With r the rewards of a group's trainable samples (COMPLETED / TRUNCATED) and n their number:
+- `grpo`:     A_i = (r_i - mean(r)) / (std(r) + eps), std unbiased (n - 1); a group of one gets A = 0.
+- `dr_grpo`:  A_i = r_i - mean(r)  (Dr.GRPO: no std division, which biases towards easy/hard prompts).
+- `reinforce_pp_baseline`: A_i = r_i - mean(r), then whitened over every valid token of the whole batch:
+  A <- (A - mean_tok(A)) / (std_tok(A) + eps), mean and (population) std weighted by each sample's number of
+  loss-masked tokens (REINFORCE++ with a group-mean baseline).
+Samples that are not trainable get A = 0 and do not enter the statistics.
+
+Limit: `Sample.token_rewards` are not used (the scalar reward drives every estimator).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from miles.trainer.config import AdvantageEstimator
+
+
+@dataclass(frozen=True)
+class SampleReward:
+    """What an estimator needs of one sample."""
+
+    group_index: int
+    reward: float
+    trainable: bool
+    num_loss_tokens: int
+
+
+def group_baseline_advantages(samples: Sequence[SampleReward], *, divide_by_std: bool, eps: float) -> list[float]:
+    """r - group mean (optionally / (group std + eps)) for trainable samples, 0 for the others."""
+    by_group: dict[int, list[float]] = {}
+    for sample in samples:
+        if sample.trainable:
+            by_group.setdefault(sample.group_index, []).append(sample.reward)
+    stats: dict[int, tuple[float, float]] = {}
+    for group_index, rewards in by_group.items():
+        mean = sum(rewards) / len(rewards)
+        num = len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (num - 1)) if num > 1 else 0.0
+        stats[group_index] = (mean, std)
+    advantages = []
+    for sample in samples:
+        if not sample.trainable:
+            advantages.append(0.0)
+            continue
+        mean, std = stats[sample.group_index]
+        centered = sample.reward - mean
+        advantages.append(centered / (std + eps) if divide_by_std else centered)
+    return advantages
+
+
+def whiten_over_tokens(advantages: Sequence[float], samples: Sequence[SampleReward], *, eps: float) -> list[float]:
+    """(A - mean) / (std + eps) with mean and population std over valid tokens (each sample counted per token)."""
+    weights = [s.num_loss_tokens if s.trainable else 0 for s in samples]
+    total = sum(weights)
+    if total == 0:
+        return [0.0] * len(advantages)
+    mean = sum(a * w for a, w in zip(advantages, weights, strict=True)) / total
+    var = sum(w * (a - mean) ** 2 for a, w in zip(advantages, weights, strict=True)) / total
+    std = math.sqrt(var)
+    return [((a - mean) / (std + eps)) if w else 0.0 for a, w in zip(advantages, weights, strict=True)]
+
+
+def compute_advantages(
+    samples: Sequence[SampleReward], estimator: AdvantageEstimator, *, eps: float = 1e-6
+) -> list[float]:
+    """One advantage per sample, in order."""
+    if estimator == "grpo":
+        return group_baseline_advantages(samples, divide_by_std=True, eps=eps)
+    if estimator == "dr_grpo":
+        return group_baseline_advantages(samples, divide_by_std=False, eps=eps)
+    if estimator == "reinforce_pp_baseline":
+        centered = group_baseline_advantages(samples, divide_by_std=False, eps=eps)
+        return whiten_over_tokens(centered, samples, eps=eps)
+    raise ValueError(f"unknown advantage estimator {estimator!r}")

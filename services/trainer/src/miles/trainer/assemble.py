@@ -1,0 +1,80 @@
+"""From validated groups to a step plan: advantages, batch statistics, micro-batches per rank.
+
+Runs on rank 0 over the whole global batch (advantage estimators need whole groups, REINFORCE++ whitening the
+whole batch); the plan it returns carries each rank's micro-batches and the global counts the loss is divided
+by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from miles.trainer.advantages import SampleReward, compute_advantages
+from miles.trainer.batch import TrainSample
+from miles.trainer.config import TrainConfig
+from miles.trainer.packing import plan_micro_batches
+from miles.trainer.step import StepPlan
+
+
+@dataclass(frozen=True)
+class AssembledBatch:
+    plan: StepPlan
+    stats: dict[str, float]
+    num_samples: int
+    num_tokens: int
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def assemble(
+    groups: Sequence[Sequence[TrainSample]],
+    staleness: Sequence[int],
+    config: TrainConfig,
+    *,
+    trainer_version: int,
+    world_size: int,
+) -> AssembledBatch:
+    """Advantages set on the samples (in place), statistics of the batch and the step plan."""
+    samples = [sample for group in groups for sample in group]
+    rewards = [
+        SampleReward(s.group_index, s.reward, s.trainable, sum(s.loss_mask) if s.trainable else 0) for s in samples
+    ]
+    if config.loss.kind == "policy_gradient":
+        advantages = compute_advantages(rewards, config.loss.advantage_estimator, eps=config.loss.advantage_eps)
+        for sample, advantage in zip(samples, advantages, strict=True):
+            sample.advantage = advantage
+    trainable = [s for s in samples if s.trainable]
+    reward_mean, reward_std = _mean_std([s.reward for s in trainable])
+    advantage_mean, advantage_std = _mean_std([s.advantage for s in trainable])
+    num_tokens = [s.num_tokens for s in samples]
+    seq_valid = [s.num_loss_tokens for s in samples]
+    per_rank = plan_micro_batches(num_tokens, config.micro_batch_max_tokens, world_size)
+    plan = StepPlan(
+        micro_batches=[[[samples[i] for i in micro] for micro in rank_batches] for rank_batches in per_rank],
+        global_num_tokens=sum(seq_valid),
+        global_num_seqs=sum(1 for n in seq_valid if n > 0),
+        trainer_version=trainer_version,
+    )
+    stats = {
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "advantage_mean": advantage_mean,
+        "advantage_std": advantage_std,
+        "advantage_min": min((s.advantage for s in trainable), default=0.0),
+        "advantage_max": max((s.advantage for s in trainable), default=0.0),
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness_max": float(max(staleness, default=0)),
+        "num_groups": float(len(groups)),
+        "num_samples": float(len(samples)),
+        "num_trainable_samples": float(len(trainable)),
+        "num_micro_batches": float(plan.num_micro_batches),
+        "response_length_mean": _mean_std([len(s.loss_mask) for s in trainable])[0],
+    }
+    return AssembledBatch(plan=plan, stats=stats, num_samples=len(samples), num_tokens=sum(num_tokens))

@@ -1,0 +1,110 @@
+"""The interface every training backend implements, and the one function that picks a backend.
+
+A backend owns the model (and a frozen reference copy when a KL term needs one), the optimizer and the
+scheduler, and the mapping to Hugging Face tensor names. It knows nothing of losses, buffers or checkpoints
+on disk: `step.py` asks it for logprobs of packed sequences, back-propagates, and asks it to step;
+`checkpoint.py` asks it for state dicts. Under torch.distributed every method except `forward` /
+`reference_logprobs` on a rank's own micro-batch is collective: every rank calls it, in the same order.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles.trainer.batch import TrainSample
+from miles.trainer.config import OptimizerConfig, TrainConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.trainer.settings import TrainerSettings
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """Per response token of the micro-batch's samples, concatenated in sample order (every response token,
+    loss-masked or not): `logprobs` (differentiable in train mode) and the entropy of each token's distribution
+    (differentiable only when asked for)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the trainer needs to know of the model to validate data."""
+
+    vocab_size: int
+    max_positions: int
+
+
+class TrainBackend(abc.ABC):
+    """Model + optimizer of one trainer process."""
+
+    name: str = "base"
+    shape: ModelShape
+
+    @abc.abstractmethod
+    def forward(self, samples: Sequence[TrainSample], *, temperature: float, entropy_grad: bool) -> TokenOutputs:
+        """Logprobs (and entropies) of every response token of `samples`, packed into one forward."""
+
+    @abc.abstractmethod
+    def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
+        """Logprobs of the same tokens under the frozen reference weights (no gradient)."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def step(self, grad_clip_norm: float | None) -> float:
+        """Clip gradients, take one optimizer and one scheduler step; returns the pre-clip global grad norm."""
+
+    @abc.abstractmethod
+    def learning_rate(self) -> float: ...
+
+    @abc.abstractmethod
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights under Hugging Face names, float32 on the CPU (collective; meaningful on rank 0)."""
+
+    @abc.abstractmethod
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the trained weights by these (collective; the tensors are read on rank 0)."""
+
+    @abc.abstractmethod
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer and scheduler state (collective; meaningful on rank 0)."""
+
+    @abc.abstractmethod
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Restore what optimizer_state returned (collective; read on rank 0)."""
+
+
+def lr_multiplier(step: int, config: OptimizerConfig, num_steps: int) -> float:
+    """Learning-rate factor after `step` scheduler steps: linear warm-up, then constant/linear/cosine decay."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant" or num_steps <= config.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / max(1, num_steps - config.warmup_steps))
+    floor = config.min_lr_ratio
+    if config.schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_backend(settings: TrainerSettings, train: TrainConfig | None = None) -> TrainBackend:
+    """The backend named by settings.backend, with its model loaded from settings.model_path."""
+    train = train or settings.train
+    if settings.backend == "torch":
+        from miles.trainer.backends.torch_backend import TorchBackend
+
+        return TorchBackend.from_settings(settings, train)
+    if settings.backend == "megatron":
+        from miles.trainer.backends.megatron_backend import MegatronBackend
+
+        return MegatronBackend.from_settings(settings, train)
+    raise ValueError(f"unknown backend {settings.backend!r}")

@@ -1,0 +1,129 @@
+"""Hugging Face <-> Megatron-core tensor names and layouts for Llama-family decoders (Qwen3, Qwen2, Llama,
+Mistral), for a GPTModel built with the local layer spec at tensor-parallel size 1. Pure tensor code: no
+Megatron import, so it is unit-tested on its own.
+
+| Hugging Face                                   | Megatron-core                                            |
+|------------------------------------------------|----------------------------------------------------------|
+| model.embed_tokens.weight                      | embedding.word_embeddings.weight                         |
+| model.layers.i.input_layernorm.weight          | decoder.layers.i.input_layernorm.weight                  |
+| model.layers.i.self_attn.{q,k,v}_proj.weight   | decoder.layers.i.self_attention.linear_qkv.weight (*)    |
+| model.layers.i.self_attn.{q,k,v}_proj.bias     | decoder.layers.i.self_attention.linear_qkv.bias (*)      |
+| model.layers.i.self_attn.o_proj.weight         | decoder.layers.i.self_attention.linear_proj.weight       |
+| model.layers.i.self_attn.{q,k}_norm.weight     | decoder.layers.i.self_attention.{q,k}_layernorm.weight   |
+| model.layers.i.post_attention_layernorm.weight | decoder.layers.i.pre_mlp_layernorm.weight                |
+| model.layers.i.mlp.{gate,up}_proj.weight       | decoder.layers.i.mlp.linear_fc1.weight = [gate; up]      |
+| model.layers.i.mlp.down_proj.weight            | decoder.layers.i.mlp.linear_fc2.weight                   |
+| model.norm.weight                              | decoder.final_layernorm.weight                           |
+| lm_head.weight (untied models only)            | output_layer.weight                                      |
+
+(*) Megatron fuses q, k and v grouped by key/value head: for each of the `num_kv_heads` groups, that group's
+`heads_per_group` query heads, then its key head, then its value head (each `head_dim` rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+    """HF q/k/v (weights (rows, hidden) or biases (rows,)) -> Megatron's grouped linear_qkv tensor."""
+    tail = q.shape[1:]
+    q_groups = q.reshape(layout.num_kv_heads, layout.heads_per_group * layout.head_dim, *tail)
+    k_groups = k.reshape(layout.num_kv_heads, layout.head_dim, *tail)
+    v_groups = v.reshape(layout.num_kv_heads, layout.head_dim, *tail)
+    return torch.cat([q_groups, k_groups, v_groups], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_qkv."""
+    tail = qkv.shape[1:]
+    q_rows = layout.heads_per_group * layout.head_dim
+    groups = qkv.reshape(layout.num_kv_heads, q_rows + 2 * layout.head_dim, *tail)
+    q = groups[:, :q_rows].reshape(-1, *tail)
+    k = groups[:, q_rows : q_rows + layout.head_dim].reshape(-1, *tail)
+    v = groups[:, q_rows + layout.head_dim :].reshape(-1, *tail)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_TOP_RENAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+
+
+def hf_to_megatron(
+    tensors: dict[str, torch.Tensor], layout: AttentionLayout, num_layers: int, *, tied: bool
+) -> dict[str, torch.Tensor]:
+    """Megatron state-dict entries for an HF checkpoint's tensors (all of them must be present)."""
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, mg_name in _TOP_RENAMES.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        out[mg_name] = tensors[hf_name]
+    for i in range(num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_suffix, mg_suffix in _LAYER_RENAMES.items():
+            if hf + hf_suffix in tensors:
+                out[mg + mg_suffix] = tensors[hf + hf_suffix]
+        attn = hf + "self_attn."
+        for kind in ("weight", "bias"):
+            if f"{attn}q_proj.{kind}" in tensors:
+                out[f"{mg}self_attention.linear_qkv.{kind}"] = fuse_qkv(
+                    tensors[f"{attn}q_proj.{kind}"],
+                    tensors[f"{attn}k_proj.{kind}"],
+                    tensors[f"{attn}v_proj.{kind}"],
+                    layout,
+                )
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+            [tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]], dim=0
+        )
+    return out
+
+
+def megatron_to_hf(
+    tensors: dict[str, torch.Tensor], layout: AttentionLayout, num_layers: int, *, tied: bool
+) -> dict[str, torch.Tensor]:
+    """HF tensors from a Megatron state dict (inverse of hf_to_megatron; `_extra_state` entries ignored)."""
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, mg_name in _TOP_RENAMES.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        out[hf_name] = tensors[mg_name]
+    for i in range(num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_suffix, mg_suffix in _LAYER_RENAMES.items():
+            if mg + mg_suffix in tensors:
+                out[hf + hf_suffix] = tensors[mg + mg_suffix]
+        for kind in ("weight", "bias"):
+            fused = tensors.get(f"{mg}self_attention.linear_qkv.{kind}")
+            if fused is not None:
+                q, k, v = split_qkv(fused, layout)
+                out[f"{hf}self_attn.q_proj.{kind}"] = q
+                out[f"{hf}self_attn.k_proj.{kind}"] = k
+                out[f"{hf}self_attn.v_proj.{kind}"] = v
+        gate, up = torch.chunk(tensors[mg + "mlp.linear_fc1.weight"], 2, dim=0)
+        out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[hf + "mlp.up_proj.weight"] = up.contiguous()
+    return out

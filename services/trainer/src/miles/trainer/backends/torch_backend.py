@@ -1,0 +1,215 @@
+"""The torch backend: the engine's own model code (`miles.model.CausalLM`), trained through autograd.
+
+Logprobs come from exactly the functions the engine uses (`CausalLM.forward_segments` for a packed forward,
+`miles.model.block_logprobs` for the LM head and the temperature-scaled log-softmax), so in deterministic mode
+a recomputed logprob is bit-identical to what a deterministic engine reported for the same weights.
+
+- Packing: a micro-batch's sequences are `Segment`s of one `forward_segments` call (row-wise work batched,
+  attention per sequence), so nothing is padded.
+- dtype: float32, or bfloat16 autocast over float32 master weights (logprobs then differ from the engine's).
+- Gradient checkpointing: each LM-head/log-softmax block (vocabulary-sized, the largest activation of a small
+  model) and each decoder layer's row-wise parts are recomputed in backward (`torch.utils.checkpoint`).
+- FSDP2 (`fully_shard`) when world_size > 1, gloo on the CPU, nccl on GPUs. The whole policy is one FSDP unit
+  (miles.model calls its layers' row-wise functions directly, so per-layer units would never see a forward
+  hook): parameters are all-gathered for the forward and gradients reduce-scattered after backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from miles.model import CausalLM, Segment, block_logprobs, load_model, load_named_tensors, row_blocks
+from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend
+from miles.trainer.backends.common import (
+    build_optimizer,
+    full_optimizer_state,
+    global_grad_norm,
+    load_full_optimizer_state,
+    packed_rows,
+)
+from miles.trainer.batch import TrainSample
+from miles.trainer.config import TrainConfig
+from miles.trainer.losses import entropy_from_logprobs
+
+if TYPE_CHECKING:
+    from miles.trainer.settings import TrainerSettings
+
+_PREFIX = "lm."
+
+
+def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*args: torch.Tensor) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    return run
+
+
+def enable_layer_checkpointing(lm: CausalLM) -> None:
+    """Recompute each decoder layer's row-wise functions (projections, norms, MLP) in backward."""
+    for module in lm.model.layers:
+        layer: Any = module
+        # Instance attributes shadow the methods miles.model's forward calls (see the report: a forward hook
+        # for this in miles.model would be cleaner).
+        layer.project_qkv = _checkpointed(layer.project_qkv)
+        layer.finish = _checkpointed(layer.finish)
+
+
+class PackedPolicy(nn.Module):
+    """The module FSDP wraps: one packed forward from token ids to per-token logprobs and entropies."""
+
+    def __init__(self, lm: CausalLM, *, deterministic: bool, bf16: bool, checkpointing: bool) -> None:
+        super().__init__()
+        self.lm = lm
+        self.deterministic = deterministic
+        self.bf16 = bf16
+        self.checkpointing = checkpointing
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.lm.lm_head_weight.device.type, dtype=torch.bfloat16)
+
+    def forward(
+        self,
+        token_ids: list[torch.Tensor],
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.lm.lm_head_weight.device
+        with self._autocast():
+            segments = [Segment(ids.to(device)) for ids in token_ids]
+            hidden = self.lm.forward_segments(segments, deterministic=self.deterministic)[rows.to(device)]
+            return self._token_logprobs(hidden, targets.to(device), temperature, entropy_grad)
+
+    def _token_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def block(h: torch.Tensor, t: torch.Tensor, temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logprobs = block_logprobs(self.lm, h, temps, deterministic=self.deterministic)
+            picked = logprobs.gather(1, t[:, None])[:, 0]
+            entropy = entropy_from_logprobs(logprobs if entropy_grad else logprobs.detach())
+            return picked, entropy
+
+        run = _checkpointed(block) if self.checkpointing else block
+        temps = torch.full((hidden.shape[0],), temperature, dtype=torch.float32, device=hidden.device)
+        pieces = [
+            run(hidden[r], targets[r], temps[r]) for r in row_blocks(hidden.shape[0], deterministic=self.deterministic)
+        ]
+        if not pieces:
+            empty = hidden.new_zeros(0, dtype=torch.float32)
+            return empty, empty
+        return torch.cat([p[0] for p in pieces]).float(), torch.cat([p[1] for p in pieces]).float()
+
+
+class TorchBackend(TrainBackend):
+    name = "torch"
+
+    def __init__(self, lm: CausalLM, train: TrainConfig, *, reference: CausalLM | None, distributed: bool) -> None:
+        self.train_config = train
+        self.distributed = distributed
+        self.shape = ModelShape(vocab_size=lm.config.vocab_size, max_positions=lm.config.max_position_embeddings)
+        if train.gradient_checkpointing:
+            enable_layer_checkpointing(lm)
+        self.policy = PackedPolicy(
+            lm,
+            deterministic=train.deterministic,
+            bf16=train.dtype == "bfloat16",
+            checkpointing=train.gradient_checkpointing,
+        )
+        if distributed:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.policy)
+        self.policy.train()
+        self.reference = reference
+        self.optimizer, self.scheduler = build_optimizer(self.policy.parameters(), train.optimizer, train.num_steps)
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings, train: TrainConfig) -> TorchBackend:
+        assert settings.model_path is not None
+        device = _device(settings.device)
+        lm = load_model(settings.model_path).to(device)
+        reference = None
+        if train.loss.kl_coef > 0:
+            reference = load_model(settings.model_path).to(device).requires_grad_(False)
+        return cls(lm, train, reference=reference, distributed=settings.world_size > 1)
+
+    def forward(self, samples: Sequence[TrainSample], *, temperature: float, entropy_grad: bool) -> TokenOutputs:
+        packed = packed_rows(samples)
+        logprobs, entropy = self.policy(packed.token_ids, packed.rows, packed.targets, temperature, entropy_grad)
+        return TokenOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu())
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
+        assert self.reference is not None, "no reference model: kl_coef is 0"
+        packed = packed_rows(samples)
+        reference = PackedPolicy(
+            self.reference, deterministic=self.policy.deterministic, bf16=self.policy.bf16, checkpointing=False
+        )
+        logprobs, _ = reference(packed.token_ids, packed.rows, packed.targets, temperature, False)
+        result: torch.Tensor = logprobs.cpu()
+        return result
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, grad_clip_norm: float | None) -> float:
+        norm = global_grad_norm(self.policy.parameters(), grad_clip_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        if not self.distributed:
+            return {name: p.detach().float().cpu().clone() for name, p in self.policy.lm.named_parameters()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.policy, options=options)
+        return {name.removeprefix(_PREFIX): t.float() for name, t in full.items() if isinstance(t, torch.Tensor)}
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.distributed:
+            load_named_tensors(self.policy.lm, tensors, require_all=True)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.policy, {_PREFIX + n: t for n, t in tensors.items()}, options=options)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return full_optimizer_state(self.policy, self.optimizer, self.scheduler)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        load_full_optimizer_state(self.policy, self.optimizer, self.scheduler, state, distributed=self.distributed)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.policy.lm.named_parameters()
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def load_policy(model_path: Path, train: TrainConfig) -> TorchBackend:
+    """A single-process torch backend over a checkpoint directory (tests, benchmarks, tools)."""
+    reference = load_model(model_path).requires_grad_(False) if train.loss.kl_coef > 0 else None
+    return TorchBackend(load_model(model_path), train, reference=reference, distributed=False)

@@ -1,0 +1,246 @@
+"""Durable checkpoints: atomic directories, retention, and the ledger of trained groups.
+
+A checkpoint is `<checkpoint_dir>/step-00000012/`:
+- `model/`: a Hugging Face directory (config.json and tokenizer files copied from the initial model, weights in
+  `model.safetensors`, float32) that the engine or Hugging Face can load as is;
+- `optimizer.pt`, `scheduler.pt`: optimizer state keyed by parameter name, scheduler state (`torch.save`,
+  loaded with `weights_only=True`);
+- `rng.pt`: torch RNG states;
+- `trainer_state.json` (`TrainerState`): step, weight version, the ids of the groups this checkpoint commits,
+  the dataset cursor.
+It is written into `.tmp-step-...`, every file and directory fsynced, then renamed into place and the parent
+fsynced: a checkpoint directory either exists complete or not at all. Leftover temp directories (a crash while
+writing) are deleted at start-up.
+
+The ledger `trained_groups.jsonl` has one line per checkpoint: the ids of the groups whose update it made
+durable. It is appended only after the checkpoint is durable and cut back to the restored step on start-up, so
+its lines are exactly the groups trained into the restored weights (the multiset a crash test compares).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from miles.model import read_safetensors_dir
+
+STEP_PREFIX = "step-"
+TEMP_PREFIX = ".tmp-"
+STATE_FILE = "trainer_state.json"
+LEDGER_FILE = "trained_groups.jsonl"
+MODEL_DIR = "model"
+_COPIED_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+)
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint says about the trainer. `committed_group_ids`: groups trained since the previous
+    checkpoint (acked once this one is durable); `dataset_cursor`: highest (epoch, prompt_index) trained."""
+
+    job_id: str
+    step: int
+    weight_version: int
+    committed_group_ids: list[str] = field(default_factory=list)
+    dataset_cursor: dict[str, int] | None = None
+    backend: str = ""
+    created_at_unix_ms: int = 0
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> TrainerState:
+        return cls(**{key: raw[key] for key in cls.__dataclass_fields__ if key in raw})
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: TrainerState
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under root (directories after their entries)."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
+
+
+def write_hf_dir(out_dir: Path, tensors: dict[str, torch.Tensor], source_model_dir: Path | None) -> None:
+    """An HF model directory: the non-weight files of source_model_dir plus model.safetensors (float32)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if source_model_dir is not None:
+        for name in _COPIED_MODEL_FILES:
+            if (source_model_dir / name).is_file():
+                shutil.copyfile(source_model_dir / name, out_dir / name)
+    contiguous = {name: t.detach().to(torch.float32).contiguous().cpu() for name, t in tensors.items()}
+    save_file(contiguous, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def atomic_publish_dir(temp_dir: Path, final_dir: Path) -> None:
+    """fsync temp_dir's tree, rename it to final_dir (replacing an old one), fsync the parent."""
+    fsync_tree(temp_dir)
+    if final_dir.exists():
+        trash = final_dir.with_name(f"{TEMP_PREFIX}old-{final_dir.name}-{uuid.uuid4().hex[:8]}")
+        final_dir.rename(trash)
+        temp_dir.rename(final_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        temp_dir.rename(final_dir)
+    fsync_path(final_dir.parent)
+
+
+class CheckpointStore:
+    """The checkpoints of one job under `root`."""
+
+    def __init__(self, root: Path, *, keep_last: int, source_model_dir: Path | None) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.source_model_dir = source_model_dir
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"{STEP_PREFIX}{step:08d}"
+
+    def remove_temporaries(self) -> int:
+        removed = 0
+        for path in self.root.glob(f"{TEMP_PREFIX}*"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        found = []
+        for path in self.root.glob(f"{STEP_PREFIX}*"):
+            suffix = path.name.removeprefix(STEP_PREFIX)
+            if suffix.isdigit() and (path / STATE_FILE).is_file():
+                found.append(int(suffix))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def write(
+        self, state: TrainerState, tensors: dict[str, torch.Tensor], optimizer: dict[str, Any], rng: dict[str, Any]
+    ) -> Path:
+        """Write a checkpoint atomically and durably; then apply retention. Returns its directory."""
+        final = self.path_for(state.step)
+        temp = self.root / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        temp.mkdir(parents=True)
+        write_hf_dir(temp / MODEL_DIR, tensors, self.source_model_dir)
+        torch.save(optimizer.get("optimizer", {}), temp / "optimizer.pt")
+        torch.save(optimizer.get("scheduler", {}), temp / "scheduler.pt")
+        torch.save(rng, temp / "rng.pt")
+        state.created_at_unix_ms = int(time.time() * 1000)
+        (temp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, sort_keys=True))
+        atomic_publish_dir(temp, final)
+        self._retain()
+        return final
+
+    def read_state(self, step: int) -> TrainerState:
+        return TrainerState.from_json(json.loads((self.path_for(step) / STATE_FILE).read_text()))
+
+    def load(self, step: int) -> LoadedCheckpoint:
+        path = self.path_for(step)
+        return LoadedCheckpoint(
+            path=path,
+            state=self.read_state(step),
+            tensors=read_safetensors_dir(path / MODEL_DIR),
+            optimizer={
+                "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
+                "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
+            },
+            rng=torch.load(path / "rng.pt", weights_only=True),
+        )
+
+    def _retain(self) -> None:
+        steps = self.steps()
+        for step in steps[: max(0, len(steps) - self.keep_last)]:
+            shutil.rmtree(self.path_for(step), ignore_errors=True)
+
+    # --- the ledger of trained groups -------------------------------------------------------------------
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.root / LEDGER_FILE
+
+    def read_ledger(self) -> list[dict[str, Any]]:
+        if not self.ledger_path.is_file():
+            return []
+        entries = []
+        for line in self.ledger_path.read_text().splitlines():
+            line = line.strip()
+            if line:
+                try:
+                    entries.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a torn last line from a crash mid-append: everything after it is rewritten
+        return entries
+
+    def append_ledger(self, step: int, group_ids: Iterable[str]) -> None:
+        with self.ledger_path.open("a") as ledger:
+            ledger.write(json.dumps({"step": step, "group_ids": list(group_ids)}) + "\n")
+            ledger.flush()
+            os.fsync(ledger.fileno())
+
+    def reconcile_ledger(self, state: TrainerState | None) -> None:
+        """Cut the ledger back to the restored checkpoint and make sure that checkpoint's own line is there."""
+        restored_step = state.step if state is not None else 0
+        entries = [e for e in self.read_ledger() if int(e["step"]) <= restored_step]
+        if state is not None and state.committed_group_ids and not any(int(e["step"]) == state.step for e in entries):
+            entries.append({"step": state.step, "group_ids": list(state.committed_group_ids)})
+        temp = self.root / f"{TEMP_PREFIX}{LEDGER_FILE}"
+        temp.write_text("".join(json.dumps(e) + "\n" for e in entries))
+        fsync_path(temp)
+        temp.rename(self.ledger_path)
+        fsync_path(self.root)
+
+    def trained_group_ids(self) -> list[str]:
+        """Every group id in the ledger, in training order (a multiset: repeats would mean double training)."""
+        return [gid for entry in self.read_ledger() for gid in entry["group_ids"]]
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

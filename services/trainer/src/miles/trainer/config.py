@@ -1,0 +1,224 @@
+"""The training recipe: algorithm and hyper-parameters of one job, as typed, documented pydantic models.
+
+`TrainConfig` is the `train` section of the trainer's settings (environment `MILES_TRAINER_TRAIN__...`, or the
+job's trainer section in the JSON file named by `MILES_TRAINER_CONFIG_FILE`, which the controller writes). Every
+field states its unit and default; the defaults follow Miles (TIS clamp [0, 2], PPO eps 0.2) where Miles has one.
+
+Formulas live in the modules that compute them (`advantages.py`, `losses.py`, `corrections.py`) and in the
+service README.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "reinforce_pp_baseline"]
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+KlEstimator = Literal["k1", "k2", "k3"]
+CorrectionMode = Literal["none", "tis", "mis"]
+MisLevel = Literal["token", "sequence", "geometric"]
+MisMode = Literal["truncate", "clip", "mask"]
+
+
+class Section(BaseModel):
+    """Base of every nested settings section: unknown keys refused, field docstrings kept, immutable."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class LossConfig(Section):
+    """Which objective is optimised and how per-token terms become one number."""
+
+    kind: Literal["policy_gradient", "sft"] = "policy_gradient"
+    """`policy_gradient`: PPO-clipped policy gradient with advantages (RL jobs). `sft`: negative log-likelihood
+    of the loss-masked tokens (SFT jobs; rewards and advantages are ignored)."""
+
+    advantage_estimator: AdvantageEstimator = "grpo"
+    """`grpo`: (r - mean_group) / (std_group + eps). `dr_grpo`: r - mean_group (no std division; pair it with
+    aggregation `seq_mean_token_sum` and `token_sum_divisor` = max response tokens). `reinforce_pp_baseline`:
+    r - mean_group, then whitened over every valid token of the batch (REINFORCE++ with a group baseline)."""
+
+    advantage_eps: float = Field(default=1e-6, gt=0)
+    """Added to the standard deviation before dividing (grpo, reinforce_pp_baseline)."""
+
+    aggregation: Aggregation = "token_mean"
+    """How per-token losses are reduced over the global batch: `token_mean` (sum / valid tokens),
+    `seq_mean_token_mean` (mean over sequences of each sequence's token mean), `seq_mean_token_sum` (mean over
+    sequences of each sequence's token sum / token_sum_divisor). Independent of the micro-batch split."""
+
+    token_sum_divisor: float = Field(default=1.0, gt=0)
+    """Constant dividing each sequence's token sum in `seq_mean_token_sum` (Dr.GRPO: the max response length)."""
+
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO: the ratio is clipped below at 1 - clip_low."""
+
+    clip_high: float = Field(default=0.2, ge=0)
+    """PPO: the ratio is clipped above at 1 + clip_high (DAPO clip-higher: e.g. 0.28 > clip_low)."""
+
+    dual_clip_c: float | None = Field(default=None, gt=1)
+    """Dual-clip PPO: for negative advantages the loss is capped at -c * A (c > 1); None disables."""
+
+    old_logprobs: Literal["train", "rollout"] = "train"
+    """Denominator of the PPO ratio. `train`: the trainer's own recomputed logprobs before the step (the ratio is
+    1 on the first and only pass; off-policy correction comes from TIS/MIS). `rollout`: the engine's logprobs
+    (the ratio itself carries the off-policyness and clipping acts on it)."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to the frozen reference (the initial weights); 0 builds no reference model."""
+
+    kl_estimator: KlEstimator = "k3"
+    """KL estimator per token with d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d."""
+
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus (subtracted from the loss)."""
+
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of the rollouts: logprobs are log_softmax(logits / temperature), as the engine
+    reports them."""
+
+
+class CorrectionConfig(Section):
+    """Off-policy (train/inference mismatch) correction of the policy-gradient term: TIS or MIS."""
+
+    mode: CorrectionMode = "tis"
+    """`tis`: token weights exp(train_logp - rollout_logp) clamped to [tis_lower, tis_upper]. `mis`: the
+    masked/truncated importance sampling below. `none`: no weights (mismatch metrics are still reported)."""
+
+    tis_lower: float = Field(default=0.0, ge=0)
+    """TIS clamp lower bound (Miles default 0)."""
+
+    tis_upper: float = Field(default=2.0, gt=0)
+    """TIS clamp upper bound (Miles default 2)."""
+
+    mis_level: MisLevel = "token"
+    """MIS: per `token`, per `sequence` (exp of the masked sum of log-ratios) or `geometric` (exp of their mean)."""
+
+    mis_mode: MisMode = "truncate"
+    """MIS: `truncate` caps the weight at mis_upper; `clip` clamps it to [mis_lower, mis_upper]; `mask` keeps the
+    weight but drops tokens whose weight is outside [mis_lower, mis_upper]."""
+
+    mis_upper: float = Field(default=2.0, gt=0)
+    """MIS upper bound."""
+
+    mis_lower: float | None = Field(default=None, ge=0)
+    """MIS lower bound (None: 1 / mis_upper)."""
+
+    rs_enabled: bool = False
+    """Rejection sampling: drop tokens whose ratio at `rs_level` lies outside [rs_lower, rs_upper]."""
+
+    rs_level: MisLevel = "token"
+    """Level of the rejection ratio."""
+
+    rs_upper: float | None = Field(default=None, gt=0)
+    """Rejection upper bound (None: mis_upper)."""
+
+    rs_lower: float | None = Field(default=None, ge=0)
+    """Rejection lower bound (None: the MIS lower bound)."""
+
+    rs_veto_threshold: float | None = Field(default=None, gt=0)
+    """Veto: a sequence with any token ratio below this is dropped whole (Miles example: 1e-4); None disables."""
+
+    log_ratio_clamp: float = Field(default=20.0, gt=0)
+    """Log-ratios are clamped to +-this before exp (as Miles), so a wild token cannot overflow."""
+
+    @property
+    def resolved_mis_lower(self) -> float:
+        return self.mis_lower if self.mis_lower is not None else 1.0 / self.mis_upper
+
+
+class OptimizerConfig(Section):
+    """AdamW and its learning-rate schedule (one scheduler step per optimizer step)."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    """Peak learning rate."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW decoupled weight decay."""
+
+    grad_clip_norm: float | None = Field(default=1.0, gt=0)
+    """Global gradient-norm clip; None disables clipping (the norm is still reported)."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up from 0 to lr over this many steps."""
+
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: constant, linear decay or cosine decay to min_lr_ratio * lr at num_steps."""
+
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate as a fraction of lr (linear and cosine)."""
+
+
+class TrainConfig(Section):
+    """One job's training recipe."""
+
+    loss: LossConfig = LossConfig()
+    correction: CorrectionConfig = CorrectionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+    mode: Literal["sync", "async"] = "async"
+    """`sync`: step k trains only on data generated by weight version k (max staleness 0). `async`: data up to
+    max_staleness versions old is accepted."""
+
+    max_staleness: int = Field(default=1, ge=1)
+    """async: largest accepted staleness = trainer version - oldest span version of a group."""
+
+    batch_size_groups: int = Field(default=8, ge=1)
+    """Groups per optimizer step (the global batch); gradients of all micro-batches accumulate into one step."""
+
+    micro_batch_max_tokens: int = Field(default=8192, ge=2)
+    """Token budget of one micro-batch: sequences are packed (first-fit decreasing) up to this many tokens; a
+    longer sequence runs alone."""
+
+    num_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of the job (the trainer then reports FINISHED); 0 means run until stopped."""
+
+    checkpoint_interval_steps: int = Field(default=1, ge=1)
+    """A durable checkpoint every this many steps (and at the last step and on Stop/Checkpoint). Pulled groups
+    are acked only once a checkpoint containing their update is durable, so a larger interval means more
+    groups held leased and more work redone after a crash."""
+
+    keep_last_checkpoints: int = Field(default=2, ge=1)
+    """Checkpoints kept; older ones are deleted after a new one is durable."""
+
+    strict_on_policy: bool = False
+    """Fail the step when data generated by the current weight version has a recomputed logprob that differs
+    from its rollout logprob (needs the engine and the trainer in deterministic mode, fp32)."""
+
+    deterministic: bool = False
+    """Use miles.model's shape-invariant forward (torch backend): recomputed logprobs are bit-identical to a
+    deterministic engine's. Slower (per-query attention); meant for small models and on-policy checks."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the forward: bfloat16 runs the forward under autocast with float32 master weights."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward instead of storing them (less memory, ~1/3 more compute)."""
+
+    seed: int = 0
+    """Seed of the trainer's torch RNG (saved and restored with checkpoints)."""
+
+    lease_s: float = Field(default=600.0, gt=0)
+    """Lease of pulled groups; extended every lease_s / 3 while their update is not yet checkpointed."""
+
+    pull_wait_s: float = Field(default=5.0, ge=0)
+    """Long-poll of one PullBatch; the trainer keeps pulling until batch_size_groups valid groups are in hand."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.correction.tis_lower > self.correction.tis_upper:
+            raise ValueError("correction.tis_lower must be <= correction.tis_upper")
+        if self.correction.resolved_mis_lower > self.correction.mis_upper:
+            raise ValueError("correction.mis_lower must be <= correction.mis_upper")
+        return self
+
+    @property
+    def effective_max_staleness(self) -> int:
+        return 0 if self.mode == "sync" else self.max_staleness

@@ -1,0 +1,412 @@
+"""The training loop of rank 0 (`Trainer.run`): pull, train, publish, checkpoint, commit — and its state.
+
+    restore the last checkpoint; release the leases a crashed predecessor held
+    until the step budget is spent or Stop:
+        pull batch_size_groups valid groups within the staleness bound (bad ones nacked with a reason)
+        advantages -> micro-batches -> forward/backward (logprobs recomputed under the current weights) -> step
+        publish the new weight version
+        every checkpoint_interval_steps: durable checkpoint, then ack the groups it contains
+
+Heavy work (forward/backward, gathering state) runs on one dedicated thread so the event loop keeps serving
+the control API and extending leases; that thread is also the only one issuing torch.distributed collectives.
+Exactly-once bookkeeping lives in `consumption.py`, checkpoint files in `checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from miles.common.errors import MilesError
+from miles.proto.buffer.v1 import buffer_pb2
+from miles.proto.trainer.v1 import trainer_pb2
+from miles.trainer.assemble import assemble
+from miles.trainer.backends.base import ModelShape
+from miles.trainer.batch import BadGroupError, TrainSample, group_staleness, samples_from_group
+from miles.trainer.checkpoint import CheckpointStore, TrainerState, restore_rng, rng_state
+from miles.trainer.consumption import Consumer
+from miles.trainer.distributed import RankRunner
+from miles.trainer.errors import OnPolicyViolationError, TrainerNotRunningError
+from miles.trainer.events import Event, EventLog
+from miles.trainer.metrics import TrainerMetrics
+from miles.trainer.publish import WeightPublisher
+from miles.trainer.settings import TrainerSettings
+
+log = logging.getLogger(__name__)
+State = trainer_pb2.TrainerState
+ResultT = TypeVar("ResultT")
+_DONE_STATES = (trainer_pb2.TRAINER_STATE_STOPPED, trainer_pb2.TRAINER_STATE_FINISHED, trainer_pb2.TRAINER_STATE_FAILED)
+
+
+@dataclass(frozen=True)
+class PulledGroup:
+    group_id: str
+    samples: list[TrainSample]
+    staleness: int
+    prompt_index: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class CheckpointOutcome:
+    step: int
+    path: str
+    num_groups_acked: int
+
+
+class Trainer:
+    """Rank 0's loop and the state the control API reports."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        runner: RankRunner,
+        consumer: Consumer,
+        publisher: WeightPublisher,
+        store: CheckpointStore,
+        metrics: TrainerMetrics,
+        events: EventLog,
+        shape: ModelShape,
+    ) -> None:
+        self.settings = settings
+        self.train = settings.train
+        self.runner, self.consumer, self.publisher, self.store = runner, consumer, publisher, store
+        self.metrics, self.events, self.shape = metrics, events, shape
+        self.state: int = trainer_pb2.TRAINER_STATE_STARTING
+        self.step = 0
+        self.weight_version = settings.initial_weight_version
+        self.checkpoint_step = -1
+        self.checkpoint_path = ""
+        self.last_metrics: dict[str, float] = {}
+        self.error = ""
+        self.groups_trained = 0
+        self.groups_rejected = 0
+        self.dataset_cursor: dict[str, int] | None = None
+        self.done = asyncio.Event()
+        self._stop_requested = False
+        self._stop_checkpoint = False
+        self._checkpoint_waiters: list[asyncio.Future[CheckpointOutcome]] = []
+        self._recent_commits: deque[set[str]] = deque(maxlen=2)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+        self._wait_data_s = 0.0
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Train until the step budget is spent or Stop; a failure sets FAILED and propagates."""
+        lease_keeper = None
+        try:
+            await self.start()
+            lease_keeper = asyncio.create_task(self.consumer.keep_leases(self.metrics.leases_lost.inc))
+            while not self._stop_requested and not self._budget_spent():
+                groups = await self.collect_batch()
+                if groups is None:
+                    break
+                await self.train_on(groups)
+                if self.step % self.settings.publish.interval_steps == 0:
+                    await self.publish()
+                if self.step % self.train.checkpoint_interval_steps == 0 or self._budget_spent():
+                    await self.checkpoint()
+                await self._serve_checkpoint_requests()
+            await self.finish()
+        except Exception as exc:
+            self._fail(exc)
+            raise
+        finally:
+            if lease_keeper is not None:
+                lease_keeper.cancel()
+            self.done.set()
+
+    async def start(self) -> None:
+        """Restore the newest checkpoint (if any) and hand back the leases of a crashed predecessor."""
+        import torch
+
+        torch.manual_seed(self.train.seed)
+        removed = await asyncio.to_thread(self.store.remove_temporaries)
+        latest = self.store.latest_step()
+        state: TrainerState | None = None
+        if latest is not None:
+            loaded = await asyncio.to_thread(self.store.load, latest)
+            await self._compute(self.runner.load_state, loaded.tensors, loaded.optimizer)
+            restore_rng(loaded.rng)
+            state = loaded.state
+            self.step, self.weight_version = state.step, state.weight_version
+            self.checkpoint_step, self.checkpoint_path = state.step, str(loaded.path)
+            self.dataset_cursor = state.dataset_cursor
+        await asyncio.to_thread(self.store.reconcile_ledger, state)
+        for entry in self.store.read_ledger()[-2:]:
+            self._recent_commits.append(set(entry["group_ids"]))
+        released = await self.consumer.release_predecessor(should_stop=lambda: self._stop_requested)
+        log.info(
+            "trainer started",
+            extra={
+                "step": self.step,
+                "weight_version": self.weight_version,
+                "released_leases": released,
+                "removed_temporaries": removed,
+                "restored": latest is not None,
+            },
+        )
+        self._update_gauges()
+        if latest is not None:
+            await self.publish()
+
+    async def collect_batch(self) -> list[PulledGroup] | None:
+        """batch_size_groups valid, not-yet-trained groups, or None when Stop was asked for meanwhile."""
+        self._set_state(trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA)
+        started = time.perf_counter()
+        batch: list[PulledGroup] = []
+        while len(batch) < self.train.batch_size_groups:
+            if self._stop_requested:
+                return None
+            await self._serve_checkpoint_requests()
+            try:
+                response = await self.consumer.pull(
+                    self.train.batch_size_groups - len(batch),
+                    trainer_version=self.weight_version,
+                    max_staleness=self.train.effective_max_staleness,
+                    wait_s=self.train.pull_wait_s,
+                )
+            except MilesError as exc:
+                if not exc.retryable:
+                    raise
+                # The buffer (or its Redis) is restarting: keep the model and the held leases, try again.
+                log.warning("pull failed, retrying", extra={"error": str(exc)})
+                await asyncio.sleep(1.0)
+                continue
+            for leased in response.groups:
+                pulled = await self._admit(leased, group_index=len(batch))
+                if pulled is not None:
+                    batch.append(pulled)
+        self._wait_data_s = time.perf_counter() - started
+        return batch
+
+    async def train_on(self, groups: list[PulledGroup]) -> None:
+        """One optimizer step on the groups; the weight version moves on by one."""
+        self._set_state(trainer_pb2.TRAINER_STATE_TRAINING)
+        staleness = [g.staleness for g in groups]
+        assembled = assemble(
+            [g.samples for g in groups],
+            staleness,
+            self.train,
+            trainer_version=self.weight_version,
+            world_size=self.settings.world_size,
+        )
+        result = await self._compute(self.runner.train_step, assembled.plan)
+        if result.violation is not None:
+            raise OnPolicyViolationError(result.violation)
+        self.step += 1
+        self.weight_version += 1
+        self.consumer.holdings.mark_trained([g.group_id for g in groups])
+        self._advance_cursor(groups)
+        values = {
+            **assembled.stats,
+            **result.stats,
+            "grad_norm": result.grad_norm,
+            "learning_rate": result.learning_rate,
+            "tokens_per_second": assembled.num_tokens / max(result.forward_backward_s, 1e-9),
+            "wait_data_s": self._wait_data_s,
+            "forward_backward_s": result.forward_backward_s,
+            "optimizer_s": result.optimizer_s,
+        }
+        self._record_step(values, groups, assembled.num_samples, assembled.num_tokens)
+
+    async def publish(self) -> None:
+        started = time.perf_counter()
+        tensors = await self._compute(self.runner.hf_tensors)
+        result = await self.publisher.publish(self.weight_version, tensors)
+        if result.failed_engines:
+            self.metrics.publish_failures.inc(len(result.failed_engines))
+        publish_s = time.perf_counter() - started
+        self.metrics.phase_seconds.labels("publish").observe(publish_s)
+        self.last_metrics["publish_s"] = publish_s
+
+    async def checkpoint(self) -> CheckpointOutcome:
+        """A durable checkpoint of the current step (unless one exists), then ack what it covers."""
+        previous_state = self.state
+        self._set_state(trainer_pb2.TRAINER_STATE_CHECKPOINTING)
+        started = time.perf_counter()
+        holdings = self.consumer.holdings
+        committed = list(holdings.trained_group_ids)
+        if self.step != self.checkpoint_step and self.step > 0:
+            tensors, optimizer = await self._compute(self.runner.full_state)
+            state = TrainerState(
+                job_id=self.settings.job_id,
+                step=self.step,
+                weight_version=self.weight_version,
+                committed_group_ids=committed,
+                dataset_cursor=self.dataset_cursor,
+                backend=self.settings.backend,
+            )
+            path = await asyncio.to_thread(self.store.write, state, tensors, optimizer, rng_state())
+            await asyncio.to_thread(self.store.append_ledger, self.step, committed)
+            self.checkpoint_step, self.checkpoint_path = self.step, str(path)
+            self.metrics.checkpoints.inc()
+            if self.step == self.settings.test_crash_before_ack_at_step:
+                log.warning("fault injection: exiting between a durable checkpoint and its acks")
+                os._exit(137)
+        if committed:
+            self._recent_commits.append(set(committed))
+        outcome = await self.consumer.ack_committed()
+        self.metrics.groups_acked.inc(outcome.num_acked)
+        self.metrics.leases_lost.inc(len(outcome.expired_lease_ids))
+        checkpoint_s = time.perf_counter() - started
+        self.metrics.phase_seconds.labels("checkpoint").observe(checkpoint_s)
+        self._update_gauges()
+        self.events.publish(
+            Event(
+                "checkpoint",
+                self.step,
+                metrics={"checkpoint_s": checkpoint_s, "num_groups_acked": outcome.num_acked},
+                message=self.checkpoint_path,
+            )
+        )
+        self._set_state(previous_state)
+        return CheckpointOutcome(self.step, self.checkpoint_path, outcome.num_acked)
+
+    async def finish(self) -> None:
+        if self._budget_spent() and not self._stop_requested:
+            # Groups a checkpoint already holds but whose acks a crash prevented sit at the head of the queue.
+            await self.consumer.drain_redundant(
+                self._recently_committed, self.train.batch_size_groups, self.metrics.groups_already_trained.inc
+            )
+            if self.step != self.checkpoint_step or self.consumer.holdings.leases_to_ack():
+                await self.checkpoint()
+            final_state = trainer_pb2.TRAINER_STATE_FINISHED
+        else:
+            if self._stop_checkpoint:
+                await self.checkpoint()
+            final_state = trainer_pb2.TRAINER_STATE_STOPPED
+        released = await self.consumer.release_all("trainer stopped")
+        await self._serve_checkpoint_requests()
+        log.info("trainer loop ended", extra={"step": self.step, "released_leases": released})
+        self._set_state(final_state)
+
+    # ---- control API ---------------------------------------------------------------------------------------
+
+    async def request_checkpoint(self) -> CheckpointOutcome:
+        if self.state == trainer_pb2.TRAINER_STATE_FAILED:
+            raise TrainerNotRunningError(f"the trainer failed: {self.error}")
+        if self.done.is_set():
+            return CheckpointOutcome(self.checkpoint_step, self.checkpoint_path, 0)
+        waiter: asyncio.Future[CheckpointOutcome] = asyncio.get_running_loop().create_future()
+        self._checkpoint_waiters.append(waiter)
+        return await waiter
+
+    async def request_stop(self, *, checkpoint: bool) -> int:
+        self._stop_checkpoint = self._stop_checkpoint or checkpoint
+        self._stop_requested = True
+        await self.done.wait()
+        return self.step
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+
+    async def _compute(self, fn: Callable[..., ResultT], *args: Any) -> ResultT:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _budget_spent(self) -> bool:
+        return self.train.num_steps > 0 and self.step >= self.train.num_steps
+
+    async def _serve_checkpoint_requests(self) -> None:
+        if not self._checkpoint_waiters:
+            return
+        waiters, self._checkpoint_waiters = self._checkpoint_waiters, []
+        outcome = await self.checkpoint()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(outcome)
+
+    async def _admit(self, leased: buffer_pb2.LeasedGroup, *, group_index: int) -> PulledGroup | None:
+        group_id = leased.group.group_id
+        holdings = self.consumer.holdings
+        if holdings.already_trained(group_id) or group_id in holdings.pulled or self._recently_committed(group_id):
+            holdings.redundant[group_id] = leased.lease_id
+            self.metrics.groups_already_trained.inc()
+            return None
+        try:
+            samples = samples_from_group(
+                leased.group, group_index, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_positions
+            )
+        except BadGroupError as exc:
+            await self.consumer.discard(leased.lease_id, f"trainer rejected the group: {exc}")
+            self.groups_rejected += 1
+            self.metrics.groups_rejected.labels(exc.reason).inc()
+            self.events.publish(Event("rejected", self.step, message=f"group {group_id!r}: {exc}"))
+            log.warning("group rejected", extra={"group_id": group_id, "reason": exc.reason, "why": exc.message})
+            return None
+        holdings.pulled[group_id] = leased.lease_id
+        staleness = group_staleness(samples, self.weight_version)
+        return PulledGroup(group_id, samples, staleness, leased.group.prompt_index, leased.group.epoch)
+
+    def _recently_committed(self, group_id: str) -> bool:
+        return any(group_id in ids for ids in self._recent_commits)
+
+    def _advance_cursor(self, groups: list[PulledGroup]) -> None:
+        for group in groups:
+            cursor = self.dataset_cursor
+            if cursor is None or (group.epoch, group.prompt_index) > (cursor["epoch"], cursor["prompt_index"]):
+                self.dataset_cursor = {"epoch": group.epoch, "prompt_index": group.prompt_index}
+
+    def _record_step(
+        self, values: dict[str, float], groups: list[PulledGroup], num_samples: int, num_tokens: int
+    ) -> None:
+        self.last_metrics = values
+        self.groups_trained += len(groups)
+        self.metrics.steps.inc()
+        self.metrics.groups_trained.inc(len(groups))
+        self.metrics.samples_trained.inc(num_samples)
+        self.metrics.tokens_trained.inc(num_tokens)
+        for phase, key in (
+            ("wait_data", "wait_data_s"),
+            ("forward_backward", "forward_backward_s"),
+            ("optimizer", "optimizer_s"),
+        ):
+            self.metrics.phase_seconds.labels(phase).observe(values[key])
+        for group in groups:
+            self.metrics.group_staleness.observe(group.staleness)
+        self.metrics.observe_step(values)
+        self._update_gauges()
+        self.events.publish(Event("step", self.step, state=self.state, metrics=values))
+        log.info("step", extra={"step": self.step, "weight_version": self.weight_version, "loss": values.get("loss")})
+
+    def _update_gauges(self) -> None:
+        self.metrics.step.set(self.step)
+        self.metrics.weight_version.set(self.weight_version)
+        self.metrics.checkpoint_step.set(self.checkpoint_step)
+
+    def _set_state(self, state: int) -> None:
+        if state != self.state:
+            self.state = state
+            self.events.publish(Event("state", self.step, state=state, message=State.Name(state)))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.error("trainer failed", exc_info=exc)
+        self.events.publish(Event("error", self.step, message=self.error))
+        self._set_state(trainer_pb2.TRAINER_STATE_FAILED)
+        for waiter in self._checkpoint_waiters:
+            if not waiter.done():
+                waiter.set_exception(TrainerNotRunningError(self.error))
+        self._checkpoint_waiters = []
+
+    @property
+    def is_done(self) -> bool:
+        return self.state in _DONE_STATES
+
+    async def stop_workers(self) -> None:
+        """Tell ranks > 0 to exit (a no-op without workers)."""
+        from miles.trainer.distributed import CoordinatorRunner
+
+        if isinstance(self.runner, CoordinatorRunner):
+            await self._compute(self.runner.stop_workers)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the trainer (`miles_trainer_*`), updated once per step, checkpoint or rejection.
+
+Per-step values are gauges named after the step statistic (e.g. `miles_trainer_loss`,
+`miles_trainer_train_rollout_logprob_abs_diff_max`); every statistic of a step, including ones not exported
+here, is also in the step event and in Status.last_step_metrics. Labels are bounded: phase and reason only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from miles.common.telemetry import Metrics
+from miles.trainer.batch import REJECT_REASONS
+
+STEP_GAUGES: dict[str, str] = {
+    "loss": "Total loss of the last step (aggregated over the global batch)",
+    "pg_loss": "Policy-gradient term of the last step's loss",
+    "sft_loss": "SFT negative log-likelihood of the last step",
+    "kl": "KL to the reference (aggregated like the loss) of the last step",
+    "entropy": "Mean entropy of the policy over loss tokens, last step",
+    "pg_clipfrac": "Fraction of loss tokens where the PPO clip was active, last step",
+    "pg_dual_clipfrac": "Fraction of loss tokens where the dual clip was active, last step",
+    "reward_mean": "Mean reward of trainable samples, last step",
+    "reward_std": "Standard deviation of rewards of trainable samples, last step",
+    "advantage_mean": "Mean advantage of trainable samples, last step",
+    "advantage_std": "Standard deviation of advantages of trainable samples, last step",
+    "is_ratio": "Mean exp(train_logp - rollout_logp) over loss tokens, last step",
+    "is_ratio_min": "Smallest train/rollout probability ratio, last step",
+    "is_ratio_max": "Largest train/rollout probability ratio, last step",
+    "is_weight": "Mean TIS/MIS weight over kept loss tokens, last step",
+    "is_clamped_fraction": "Fraction of loss tokens whose IS weight was clamped or truncated, last step",
+    "is_masked_fraction": "Fraction of loss tokens dropped by MIS masking or rejection, last step",
+    "is_veto_seq_fraction": "Fraction of sequences vetoed by MIS rejection, last step",
+    "train_rollout_logprob_abs_diff": "Mean |train_logp - rollout_logp| over loss tokens, last step",
+    "train_rollout_logprob_abs_diff_max": "Max |train_logp - rollout_logp| over loss tokens, last step",
+    "grad_norm": "Global gradient norm before clipping, last step",
+    "learning_rate": "Learning rate of the last step",
+    "staleness_mean": "Mean staleness (versions) of the groups of the last step",
+    "staleness_max": "Largest staleness (versions) of the groups of the last step",
+    "tokens_per_second": "Tokens (prompt + response) per second of forward/backward, last step",
+}
+
+
+class TrainerMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        self.step = metrics.gauge("step", "Optimizer steps taken (restored from a checkpoint included)")
+        self.weight_version = metrics.gauge("weight_version", "Weight version of the current policy")
+        self.checkpoint_step = metrics.gauge("checkpoint_step", "Step of the last durable checkpoint (-1: none)")
+        self.steps = metrics.counter("steps", "Optimizer steps taken by this process")
+        self.groups_trained = metrics.counter("groups_trained", "Groups trained on by this process")
+        self.samples_trained = metrics.counter("samples_trained", "Trainable samples trained on by this process")
+        self.tokens_trained = metrics.counter("tokens_trained", "Tokens (prompt + response) forwarded in training")
+        self.groups_rejected = metrics.counter(
+            "groups_rejected", "Groups nacked (discarded) as untrainable, by reason", ["reason"]
+        )
+        self.groups_already_trained = metrics.counter(
+            "groups_already_trained", "Redelivered groups whose update a checkpoint already holds (acked, not trained)"
+        )
+        self.groups_acked = metrics.counter("groups_acked", "Leases acked after a durable checkpoint")
+        self.leases_lost = metrics.counter("leases_lost", "Leases that expired before their ack (group redelivered)")
+        self.checkpoints = metrics.counter("checkpoints", "Durable checkpoints written")
+        self.publish_failures = metrics.counter("publish_failures", "Engines that failed to load a published version")
+        self.phase_seconds = metrics.histogram(
+            "step_phase_duration_seconds",
+            "Time per step phase: wait_data, forward_backward, optimizer, publish, checkpoint",
+            ["phase"],
+        )
+        self.group_staleness = metrics.histogram(
+            "group_staleness_versions", "Staleness of consumed groups", buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32)
+        )
+        self.step_gauges = {name: metrics.gauge(name, doc) for name, doc in STEP_GAUGES.items()}
+        for reason in REJECT_REASONS:
+            self.groups_rejected.labels(reason)
+        self.checkpoint_step.set(-1)
+
+    def observe_step(self, values: Mapping[str, float]) -> None:
+        for name, gauge in self.step_gauges.items():
+            if name in values:
+                gauge.set(values[name])

@@ -1,0 +1,235 @@
+"""Shared fixtures of the trainer tests: models built by the project's own tiny-model builder, group builders,
+real `miles-buffer` and `miles-trainer` subprocesses, and a gRPC client for the trainer's control API."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from miles.common.testing import ServiceProcess, free_port
+from miles.common.testing.smoke import console_script
+from miles.proto.common.v1 import common_pb2
+from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+COMPLETED = common_pb2.SAMPLE_STATUS_COMPLETED
+SMALL_VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny Qwen3 model (151,936-token vocabulary, 4 layers), built by our own builder."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's architecture with a 512-token vocabulary and 2 layers: the same code paths at a
+    fraction of the cost (the full vocabulary's LM head dominates a CPU step), for the many-step tests."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    overrides = {"vocab_size": SMALL_VOCAB, "num_hidden_layers": 2, "max_window_layers": 2}
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen3", config_overrides=overrides)
+
+
+def build_group(
+    group_id: str,
+    *,
+    num_samples: int = 2,
+    num_prompt_tokens: int = 4,
+    num_response_tokens: int = 4,
+    rewards: Sequence[float] | None = None,
+    version: int = 0,
+    seed: int = 0,
+    vocab_size: int = SMALL_VOCAB,
+    rollout_logprob: float = -5.0,
+    prompt_index: int = 0,
+) -> common_pb2.Group:
+    """A valid group whose samples have deterministic pseudo-random tokens below vocab_size."""
+    group = common_pb2.Group(group_id=group_id, prompt_index=prompt_index)
+    num_tokens = num_prompt_tokens + num_response_tokens
+    for index in range(num_samples):
+        base = (seed * 7919 + index * 104729 + sum(map(ord, group_id)) * 31) % vocab_size
+        sample = group.samples.add(
+            sample_id=f"{group_id}/{index}",
+            group_id=group_id,
+            episode_id=f"{group_id}/e{index}",
+            tokens=[(base + 37 * position) % vocab_size for position in range(num_tokens)],
+            response_start=num_prompt_tokens,
+            loss_mask=[1] * num_response_tokens,
+            rollout_logprobs=[rollout_logprob] * num_response_tokens,
+            reward=float(rewards[index]) if rewards is not None else float(index % 2),
+            status=COMPLETED,
+        )
+        sample.weight_versions.add(start=0, end=num_response_tokens, weight_version=version)
+    return group
+
+
+@dataclass
+class BufferProcess:
+    """A real miles-buffer subprocess over a given Redis."""
+
+    redis_url: str
+    log_dir: Path
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    process: ServiceProcess | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> BufferProcess:
+        env = {
+            "MILES_BUFFER_REDIS_URL": self.redis_url,
+            "MILES_BUFFER_PORT": str(self.port),
+            "MILES_BUFFER_METRICS_PORT": str(self.metrics_port),
+            "MILES_BUFFER_LEASE_REAP_INTERVAL_S": "0.2",
+            "MILES_BUFFER_POLL_INTERVAL_S": "0.05",
+        }
+        self.process = ServiceProcess(
+            [console_script("miles-buffer")],
+            ready_url=f"http://127.0.0.1:{self.metrics_port}/readyz",
+            env=env,
+            log_path=self.log_dir / "miles-buffer.log",
+        ).start()
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+@pytest.fixture
+def buffer_process(redis_url: str, tmp_path: Path) -> Iterator[BufferProcess]:
+    process = BufferProcess(redis_url, tmp_path / "buffer").start()
+    yield process
+    process.stop()
+
+
+@dataclass
+class TrainerProcess:
+    """A real miles-trainer subprocess (restartable on the same ports, for crash tests)."""
+
+    env: dict[str, str]
+    log_dir: Path
+    argv: list[str] = field(default_factory=lambda: [console_script("miles-trainer")])
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    process: ServiceProcess | None = None
+    starts: int = 0
+
+    def start(self) -> TrainerProcess:
+        env = {
+            **self.env,
+            "MILES_TRAINER_PORT": str(self.port),
+            "MILES_TRAINER_METRICS_PORT": str(self.metrics_port),
+        }
+        self.starts += 1
+        self.process = ServiceProcess(
+            self.argv,
+            ready_url=f"http://127.0.0.1:{self.metrics_port}/readyz",
+            env=env,
+            log_path=self.log_dir / f"miles-trainer-{self.starts}.log",
+        ).start(ready_timeout_s=180.0)
+        return self
+
+    def status(self, timeout_s: float = 10.0) -> trainer_pb2.StatusResponse:
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
+            response: trainer_pb2.StatusResponse = stub.Status(trainer_pb2.StatusRequest(), timeout=timeout_s)
+            return response
+
+    def call(self, method: str, request: Any, timeout_s: float = 300.0) -> Any:
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
+            return getattr(stub, method)(request, timeout=timeout_s)
+
+    def wait_for(
+        self, predicate: Callable[[trainer_pb2.StatusResponse], bool], timeout_s: float = 600.0
+    ) -> trainer_pb2.StatusResponse:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.process is not None and self.process.is_running(), self.log_tail()
+            status = self.status()
+            if predicate(status):
+                return status
+            assert status.state != trainer_pb2.TRAINER_STATE_FAILED, status.error
+            assert time.monotonic() < deadline, f"timed out; last status {status}"
+            time.sleep(0.1)
+
+    def log_tail(self) -> str:
+        return self.process.log_tail() if self.process is not None else ""
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        self.process.kill9()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+def trainer_env(
+    *,
+    job_id: str,
+    buffer: BufferProcess,
+    model_dir: Path,
+    checkpoint_dir: Path,
+    **train: Any,
+) -> dict[str, str]:
+    """Environment of a miles-trainer for a test job; `train` entries become MILES_TRAINER_TRAIN__<KEY>."""
+    env = {
+        "MILES_TRAINER_JOB_ID": job_id,
+        "MILES_TRAINER_BUFFER_ADDRESS": buffer.target,
+        "MILES_TRAINER_MODEL_PATH": str(model_dir),
+        "MILES_TRAINER_CHECKPOINT_DIR": str(checkpoint_dir),
+        "MILES_TRAINER_NUM_THREADS": "1",
+        "MILES_TRAINER_LOG_LEVEL": "INFO",
+    }
+    for key, value in train.items():
+        env[f"MILES_TRAINER_TRAIN__{key.upper()}"] = str(value)
+    return env
+
+
+GroupFactory = Callable[..., common_pb2.Group]
+EnvFactory = Callable[..., dict[str, str]]
+TrainerFactory = Callable[[dict[str, str]], TrainerProcess]
+
+
+@pytest.fixture
+def make_group() -> GroupFactory:
+    return build_group
+
+
+@pytest.fixture
+def make_trainer_env() -> EnvFactory:
+    return trainer_env
+
+
+@pytest.fixture
+def start_trainer(tmp_path: Path) -> Iterator[TrainerFactory]:
+    """Starts miles-trainer subprocesses (not yet started: call .start()); stops them all after the test."""
+    created: list[TrainerProcess] = []
+
+    def create(env: dict[str, str]) -> TrainerProcess:
+        process = TrainerProcess(env, tmp_path / f"trainer-{len(created)}")
+        created.append(process)
+        return process
+
+    yield create
+    for process in created:
+        process.stop()
+
+
+@pytest.fixture
+def job_id(request: pytest.FixtureRequest) -> str:
+    return "job-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:100] + f"-{os.getpid()}"
