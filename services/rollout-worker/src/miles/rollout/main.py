@@ -1,18 +1,73 @@
-"""Entry point of miles-rollout-worker: load settings, build the app, serve."""
+"""Entry point of miles-rollout-worker: load settings, build the job's worker, serve probes while it rolls out.
+
+Without a job (`job_id` empty) only the probes are served. The process exits non-zero if the scheduler dies
+unexpectedly, so that its supervisor (Kubernetes, the local launcher) restarts it; a restart resumes from the
+job's cursor in Redis.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import sys
+from typing import Any
+
+from fastapi import FastAPI
 
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.settings import RolloutSettings
+from miles.rollout.worker import RolloutWorker
 
 SERVICE = "rollout"
+
+
+def build_app(metrics: Metrics, worker: RolloutWorker | None) -> FastAPI:
+    checks = {"worker": worker.check_ready} if worker is not None else {}
+    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks=checks, title="miles-rollout-worker")
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        """The job's cursor and this worker's episodes (`{"job_id": ""}` when idle)."""
+        if worker is None:
+            return {"job_id": "", "idle": True}
+        return await worker.status()
+
+    return app
+
+
+async def run(settings: RolloutSettings) -> int:
+    metrics = Metrics(SERVICE)
+    rollout_metrics = RolloutMetrics(metrics)
+    worker = RolloutWorker.build(settings, rollout_metrics) if settings.job_id else None
+    stop = asyncio.Event()
+    on_shutdown = []
+    if worker is not None:
+        await worker.start()
+        on_shutdown.append(worker.stop)
+
+        async def stop_on_failure() -> None:
+            await worker.failed.wait()
+            stop.set()
+
+        watcher = asyncio.create_task(stop_on_failure())
+    await serve_async(
+        http_app=build_app(metrics, worker),
+        http_host=settings.host,
+        http_port=settings.port,
+        grace_s=settings.shutdown_grace_s,
+        on_shutdown=on_shutdown,
+        stop_event=stop,
+    )
+    if worker is not None:
+        watcher.cancel()
+        return 1 if worker.failed.is_set() else 0
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.parse_args(argv)
     settings = load_settings(RolloutSettings)
     configure_logging(SERVICE, settings.log_level, json_lines=settings.log_json)
+    # Agents' HTTP clients (openai uses httpx) would log every request at INFO: thousands per minute.
+    for noisy in ("httpx", "httpx2", "openai"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(settings.log_level)))
     setup_tracing(SERVICE)
-    app = create_http_app(service=SERVICE, metrics=Metrics(SERVICE))
-    asyncio.run(
-        serve_async(http_app=app, http_host=settings.host, http_port=settings.port, grace_s=settings.shutdown_grace_s)
-    )
+    sys.exit(asyncio.run(run(settings)))

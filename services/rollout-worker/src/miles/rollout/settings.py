@@ -1,8 +1,25 @@
-"""Settings of the rollout-worker (environment prefix MILES_ROLLOUT_), validated at start-up."""
+"""Settings of the rollout-worker (environment prefix MILES_ROLLOUT_), validated at start-up.
+
+Process fields (where Redis, the session server, the buffer and the sandbox gateway are; who this worker is)
+are top-level. The job's rollout section (`miles.common.jobspec.rollout.RolloutSpec`: dataset, agent, reward,
+groups, concurrency) is the nested `rollout` field; the controller writes `{"job_id": ..., "rollout": {...}}`
+into the JSON file named by `MILES_ROLLOUT_CONFIG_FILE`. Without a job the worker serves its probes and idles.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
+from typing import Self
+
+from pydantic import Field, SecretStr, model_validator
+
+from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.settings import ServiceSettings, service_config
+
+
+def _default_worker_id() -> str:
+    return os.environ.get("HOSTNAME") or socket.gethostname()
 
 
 class RolloutSettings(ServiceSettings):
@@ -11,4 +28,65 @@ class RolloutSettings(ServiceSettings):
     model_config = service_config("ROLLOUT")
 
     port: int = 8083
-    """HTTP listening port."""
+    """HTTP port: /healthz, /readyz, /metrics and /v1/status."""
+
+    job_id: str = Field(default="", pattern=r"^[^\s{}/:]{0,200}$")
+    """Job whose prompts this worker rolls out; empty: serve probes and idle."""
+
+    worker_id: str = Field(default_factory=_default_worker_id, min_length=1, max_length=200)
+    """Identity of this worker in prompt leases (default: the host name). A worker restarted with the same id
+    takes its predecessor's leases back at once; another id waits for them to expire (`lease_s`)."""
+
+    rollout: RolloutSpec | None = None
+    """The job's rollout section (required when job_id is set)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the job's dataset cursor and prompt leases (AOF on in production)."""
+
+    key_prefix: str = "miles:rollout"
+    """Prefix of every Redis key of the cursor."""
+
+    lease_s: float = Field(default=120.0, gt=0)
+    """A claimed prompt stays this worker's for this long without a heartbeat (renewed every lease_s / 3);
+    after that another worker regenerates it."""
+
+    session_server_url: str = "http://127.0.0.1:8081"
+    """Base URL of the session server."""
+
+    session_operator_token: SecretStr = SecretStr("")
+    """Operator token of the session server (creates sessions); empty when it runs without one (loopback)."""
+
+    session_request_timeout_s: float = Field(default=120.0, gt=0)
+    """Timeout of one session-server call (create, samples, delete)."""
+
+    retry_budget_s: float = Field(default=60.0, ge=0)
+    """How long a session-server call is retried (exponential backoff) while the server is unreachable or
+    answers 5xx/429, before the episode is ABORTED (session_unavailable / samples_unavailable)."""
+
+    orphan_min_age_s: float = Field(default=120.0, gt=0)
+    """After a session create whose reply may have been lost, sessions of the job that no episode recorded and
+    that are older than this are deleted (allow for clock skew between this worker and the session server)."""
+
+    buffer_address: str = "127.0.0.1:50051"
+    """host:port of the buffer service."""
+
+    push_wait_s: float = Field(default=10.0, ge=0)
+    """How long one push may wait for room in a full buffer before the worker backs off and retries (new
+    episodes are paused meanwhile)."""
+
+    sandbox_address: str = ""
+    """host:port of the sandbox gateway's gRPC API (the `unit_tests` verifier; handed to agents as
+    `metadata["sandbox_address"]`); empty: no sandbox."""
+
+    sandbox_http_url: str = ""
+    """Base URL of the sandbox gateway's HTTP facade, handed to agents as `metadata["sandbox_url"]` (agents
+    need no gRPC code); empty: none."""
+
+    requeue_poll_interval_s: float = Field(default=5.0, gt=0)
+    """How often the buffer is asked for prompts to regenerate (groups requeued as stale)."""
+
+    @model_validator(mode="after")
+    def _job_needs_section(self) -> Self:
+        if self.job_id and self.rollout is None:
+            raise ValueError("a job_id needs its rollout section (`rollout` in MILES_ROLLOUT_CONFIG_FILE)")
+        return self

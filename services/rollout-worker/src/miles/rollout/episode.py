@@ -1,0 +1,321 @@
+"""One episode: session -> agent (with a timeout) -> samples -> partial-rollout policy -> score -> delete.
+
+Every failure ends as a sample status with a reason, never as an exception out of `EpisodeRunner.run`:
+
+| what happened                                   | status    | reason                   |
+|-------------------------------------------------|-----------|--------------------------|
+| normal end                                      | COMPLETED | ok                       |
+| a turn hit max_tokens last, or max_seq_len cut  | TRUNCATED | truncated                |
+| the agent raised (error text kept in metadata)  | ABORTED   | agent_error              |
+| the agent returned something else than a dict   | ABORTED   | agent_error              |
+| the agent ran past agent.timeout_s (cancelled)  | ABORTED   | timeout                  |
+| the agent never called the model                | ABORTED   | no_model_call            |
+| nothing fits max_seq_len                        | ABORTED   | all_truncated            |
+| session server unreachable at create (retried)  | ABORTED   | session_unavailable      |
+| session server unreachable for samples          | ABORTED   | samples_unavailable      |
+| several weight versions, policy regenerate, out of attempts | ABORTED | version_span      |
+| the reward function raised                      | ABORTED   | reward_error             |
+| the session could not be assembled (422)        | FAILED    | sample_assembly_failed   |
+
+The session is deleted in every case (retried within the budget; its TTL is the last resort), also when the
+episode is cancelled. Samples of a failed agent keep whatever the session recorded (for inspection), marked
+ABORTED: they are never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.common.errors import MilesError
+from miles.common.jobspec.rollout import RolloutSpec
+from miles.proto.common.v1 import common_pb2
+from miles.rollout import samples as sample_ops
+from miles.rollout.contracts import AgentFn, AgentResult, parse_agent_result
+from miles.rollout.errors import SampleAssemblyFailedError
+from miles.rollout.ledger import SessionLedger
+from miles.rollout.metrics import RolloutMetrics
+from miles.rollout.rewards import EpisodeToScore, Scorer
+from miles.rollout.sessions import SessionClient, SessionHandle
+
+
+@dataclass(frozen=True)
+class EpisodeTask:
+    """One of the n episodes of a prompt group."""
+
+    job_id: str
+    group_id: str
+    seq: int
+    sample_index: int
+    prompt_index: int
+    epoch: int
+    prompt: dict[str, Any]
+    label: Any
+
+    @property
+    def episode_id(self) -> str:
+        return f"{self.group_id}/{self.sample_index}"
+
+
+@dataclass
+class EpisodeOutcome:
+    samples: list[common_pb2.Sample]
+    status: int
+    reason: str
+    num_attempts: int = 1
+    duration_s: float = 0.0
+
+
+@dataclass
+class _Attempt:
+    samples: list[common_pb2.Sample]
+    reason: str = "ok"
+    agent_result: AgentResult = field(default_factory=AgentResult)
+    agent_failed: bool = False
+    spans_versions: bool = False
+
+
+def _error_text(exc: BaseException) -> str:
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
+    return "".join(lines)[-sample_ops.MAX_ERROR_CHARS :]
+
+
+class EpisodeRunner:
+    """Runs episodes of one job (shared by every in-flight episode of the worker)."""
+
+    def __init__(
+        self,
+        spec: RolloutSpec,
+        *,
+        sessions: SessionClient,
+        agent: AgentFn,
+        scorer: Scorer,
+        metrics: RolloutMetrics,
+        worker_id: str,
+        agent_extra_metadata: dict[str, Any] | None = None,
+        ledger: SessionLedger | None = None,
+    ) -> None:
+        self.spec = spec
+        self.sessions = sessions
+        self.agent = agent
+        self.scorer = scorer
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.agent_extra_metadata = dict(agent_extra_metadata or {})
+        self.ledger = ledger
+        self._background: set[asyncio.Task[bool]] = set()
+
+    async def run(self, task: EpisodeTask) -> EpisodeOutcome:
+        start_s = time.monotonic()
+        policy = self.spec.partial_rollout
+        max_attempts = 1 + (policy.max_regenerations if policy.policy == "regenerate" else 0)
+        for attempt in range(max_attempts):
+            result = await self._attempt(task, attempt)
+            if not result.spans_versions or policy.policy != "regenerate":
+                break
+            if attempt + 1 < max_attempts:
+                self.metrics.partial_rollouts.labels(action="regenerated").inc()
+                continue
+            self.metrics.partial_rollouts.labels(action="aborted").inc()
+            sample_ops.mark(result.samples, sample_ops.ABORTED, "version_span", "spanned several weight versions")
+            result.reason = "version_span"
+        sample_ops.update_metadata(result.samples, {"num_attempts": attempt + 1})
+        status = result.samples[0].status
+        duration_s = time.monotonic() - start_s
+        self.metrics.episodes.labels(status=sample_ops.status_name(status), reason=result.reason).inc()
+        self.metrics.episode_duration_s.labels(status=sample_ops.status_name(status)).observe(duration_s)
+        return EpisodeOutcome(result.samples, status, result.reason, attempt + 1, duration_s)
+
+    async def drain(self) -> None:
+        """Waits for session deletions still running in the background (after cancelled episodes)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _attempt_episode_id(self, task: EpisodeTask, attempt: int) -> str:
+        return task.episode_id if attempt == 0 else f"{task.episode_id}/attempt-{attempt}"
+
+    async def _attempt(self, task: EpisodeTask, attempt: int) -> _Attempt:
+        episode_id = self._attempt_episode_id(task, attempt)
+        ids = {"job_id": task.job_id, "group_id": task.group_id, "episode_id": episode_id}
+        try:
+            handle = await self.sessions.create(
+                job_id=task.job_id, episode_id=episode_id, ttl_s=self.spec.resolved_session_ttl_s, metadata=ids
+            )
+        except MilesError as exc:
+            sample = sample_ops.placeholder(episode_id, task.group_id)
+            sample_ops.mark([sample], sample_ops.ABORTED, "session_unavailable", exc.message)
+            return _Attempt([sample], "session_unavailable")
+        try:
+            if self.ledger is not None:
+                await self.ledger.record(task.seq, handle, self.spec.resolved_session_ttl_s)
+            return await self._in_session(task, attempt, episode_id, handle)
+        finally:
+            deletion = asyncio.ensure_future(self._delete(handle, task.seq))
+            self._background.add(deletion)
+            deletion.add_done_callback(self._background.discard)
+            await asyncio.shield(deletion)
+
+    async def _delete(self, handle: SessionHandle, seq: int | None) -> bool:
+        try:
+            await self.sessions.delete(handle)
+        except MilesError:
+            self.metrics.session_delete_failures.inc()
+            return False
+        if self.ledger is not None and seq is not None:
+            await self.ledger.forget(seq, handle.session_id)
+        return True
+
+    async def reap_orphans(self, seq: int) -> int:
+        """Deletes the sessions a dead worker left for seq (see ledger.py); returns how many were deleted."""
+        if self.ledger is None:
+            return 0
+        deleted = 0
+        for handle in await self.ledger.take_orphans(seq):
+            deleted += await self._delete(handle, None)
+        self.metrics.orphan_sessions_deleted.labels(cause="reclaim").inc(deleted)
+        return deleted
+
+    def _agent_metadata(
+        self, task: EpisodeTask, attempt: int, episode_id: str, handle: SessionHandle
+    ) -> dict[str, Any]:
+        return {
+            **self.agent_extra_metadata,
+            "api_key": handle.token,
+            "session_id": handle.session_id,
+            "job_id": task.job_id,
+            "group_id": task.group_id,
+            "episode_id": episode_id,
+            "sample_index": task.sample_index,
+            "prompt_index": task.prompt_index,
+            "epoch": task.epoch,
+            "attempt": attempt,
+            "label": copy.deepcopy(task.label),
+            "max_seq_len": self.spec.max_seq_len,
+            "agent_config": copy.deepcopy(self.spec.agent.config),
+            "worker_id": self.worker_id,
+        }
+
+    async def _run_agent(
+        self, task: EpisodeTask, metadata: dict[str, Any], base_url: str
+    ) -> tuple[AgentResult, str | None, str]:
+        """(result, error text or None, reason)."""
+        timeout_s = self.spec.agent.timeout_s
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                raw = await self.agent(base_url, copy.deepcopy(task.prompt), dict(self.spec.request_kwargs), metadata)
+        except TimeoutError as exc:
+            if deadline.expired():  # ours, not a TimeoutError the agent raised itself
+                return AgentResult(), f"the agent ran past its timeout of {timeout_s:g} s and was cancelled", "timeout"
+            return AgentResult(), _error_text(exc), "agent_error"
+        except Exception as exc:  # the agent is user code: any exception becomes an ABORTED sample
+            return AgentResult(), _error_text(exc), "agent_error"
+        try:
+            return parse_agent_result(raw), None, "ok"
+        except ValueError as exc:
+            return AgentResult(), f"invalid agent result: {exc}", "agent_error"
+
+    async def _in_session(self, task: EpisodeTask, attempt: int, episode_id: str, handle: SessionHandle) -> _Attempt:
+        metadata = self._agent_metadata(task, attempt, episode_id, handle)
+        agent_result, error, agent_reason = await self._run_agent(task, metadata, handle.base_url)
+        sample_metadata = {
+            "job_id": task.job_id,
+            "sample_index": task.sample_index,
+            "prompt_index": task.prompt_index,
+            "epoch": task.epoch,
+            "attempt": attempt,
+            "worker_id": self.worker_id,
+        }
+        try:
+            session_samples = await self.sessions.samples(
+                handle,
+                mode=self.spec.sample_mode,
+                max_seq_len=self.spec.max_seq_len,
+                group_id=task.group_id,
+                metadata=sample_ops.json_safe(sample_metadata),
+            )
+        except SampleAssemblyFailedError as exc:
+            sample = sample_ops.placeholder(episode_id, task.group_id)
+            sample_ops.mark([sample], sample_ops.FAILED, "sample_assembly_failed", exc.message)
+            return _Attempt([sample], "sample_assembly_failed")
+        except MilesError as exc:
+            sample = sample_ops.placeholder(episode_id, task.group_id)
+            sample_ops.mark([sample], sample_ops.ABORTED, "samples_unavailable", exc.message)
+            return _Attempt([sample], "samples_unavailable")
+        samples = list(session_samples.samples)
+        sample_ops.update_metadata(samples, agent_result.metadata)
+        if any(sample.metadata["tito_num_critical"] for sample in samples if "tito_num_critical" in sample.metadata):
+            self.metrics.tito_critical_episodes.inc()
+        if error is not None:
+            sample_ops.mark(samples, sample_ops.ABORTED, agent_reason, error)
+            return _Attempt(samples, agent_reason, agent_failed=True)
+        if session_samples.empty_reason:
+            reason = "no_model_call" if session_samples.empty_reason == "no_records" else session_samples.empty_reason
+            sample_ops.mark(samples, sample_ops.ABORTED, reason)
+            return _Attempt(samples, reason, agent_result)
+        reason = "truncated" if any(s.status == sample_ops.TRUNCATED for s in samples) else "ok"
+        sample_ops.update_metadata(samples, {"status_reason": reason})
+        result = _Attempt(samples, reason, agent_result)
+        if self._apply_partial_rollout(result):
+            return result
+        await self._score(task, handle, result)
+        return result
+
+    def _apply_partial_rollout(self, result: _Attempt) -> bool:
+        """Applies keep / keep_per_span; True when the attempt must be regenerated (scoring skipped)."""
+        versions = sample_ops.weight_versions(s for s in result.samples if sample_ops.is_trainable(s))
+        if len(versions) <= 1:
+            return False
+        result.spans_versions = True
+        sample_ops.update_metadata(result.samples, {"weight_versions_seen": sorted(versions)})
+        policy = self.spec.partial_rollout.policy
+        if policy == "regenerate":
+            return True
+        if policy == "keep":
+            for sample in result.samples:
+                sample_ops.fold_spans_to_oldest(sample)
+        self.metrics.partial_rollouts.labels(action="kept" if policy == "keep" else "kept_per_span").inc()
+        result.spans_versions = False
+        return False
+
+    async def _final_message_text(self, handle: SessionHandle) -> str | None:
+        for message in reversed(await self.sessions.messages(handle)):
+            if message.get("role") == "assistant":
+                content = message.get("content")
+                return content if isinstance(content, str) else None
+        return None
+
+    async def _score(self, task: EpisodeTask, handle: SessionHandle, result: _Attempt) -> None:
+        trainable = [s for s in result.samples if sample_ops.is_trainable(s)]
+        if not trainable:
+            return
+        episode = EpisodeToScore(
+            prompt=copy.deepcopy(task.prompt),
+            label=task.label,
+            samples=trainable,
+            agent_result=result.agent_result,
+            final_message_text=lambda: self._final_message_text(handle),
+        )
+        try:
+            rewards, info = await self.scorer.score(episode)
+        except Exception as exc:  # reward functions are user code (and verifiers call the sandbox)
+            sample_ops.mark(result.samples, sample_ops.ABORTED, "reward_error", _error_text(exc))
+            result.reason = "reward_error"
+            return
+        for sample, reward in zip(trainable, rewards, strict=True):
+            sample.reward = reward
+            self.metrics.sample_reward.observe(reward)
+        turn_rewards = result.agent_result.turn_rewards
+        if turn_rewards is not None:
+            if self.spec.sample_mode == "per_turn" and len(turn_rewards) == len(trainable):
+                placed = all(sample_ops.put_turn_rewards(s, [r]) for s, r in zip(trainable, turn_rewards, strict=True))
+            else:
+                placed = all(sample_ops.put_turn_rewards(sample, turn_rewards) for sample in trainable)
+            sample_ops.update_metadata(trainable, {"turn_rewards_placed": placed})
+        reward_info = {**result.agent_result.reward_info, **info}
+        if reward_info:
+            sample_ops.update_metadata(trainable, {"reward_info": reward_info})

@@ -1,0 +1,40 @@
+"""Errors of the rollout worker (subclasses of `miles.common.errors`).
+
+Start-up problems (an agent that cannot be imported, an unreadable dataset, a cursor made for another dataset)
+are `ConfigError`s: the process stops with one readable message. Per-episode failures never raise out of the
+episode: they end as a sample status (see `episode.py`); the classes below only travel inside the worker.
+"""
+
+from __future__ import annotations
+
+from miles.common.errors import ConfigError, UnavailableError, UnprocessableError
+
+
+class UserCodeLoadError(ConfigError):
+    """An agent or reward function named by a dotted path cannot be imported or is not a coroutine function."""
+
+    code = "user_code_load"
+
+
+class DatasetError(ConfigError):
+    """The dataset cannot be read, is empty, or a row has no usable prompt."""
+
+    code = "dataset"
+
+
+class CursorMismatchError(ConfigError):
+    """The job's cursor in Redis was made for a dataset of another size or seed (its prompt order would change)."""
+
+    code = "cursor_mismatch"
+
+
+class SessionServerUnavailableError(UnavailableError):
+    """The session server stayed unreachable (or answered 5xx/429) for the whole retry budget."""
+
+    code = "session_server_unavailable"
+
+
+class SampleAssemblyFailedError(UnprocessableError):
+    """The session server could not turn the session into samples (422): the trajectory cannot be trusted."""
+
+    code = "sample_assembly_failed"

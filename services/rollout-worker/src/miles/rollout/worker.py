@@ -1,0 +1,209 @@
+"""The worker of one job: everything built from settings, started, observed and stopped in one place.
+
+`RolloutWorker.build` fails at start-up (ConfigError) when the dataset cannot be read, the agent or reward
+function cannot be imported, or the cursor in Redis belongs to another dataset order. `start` runs the
+scheduler as a task; if it ever dies unexpectedly, `failed` is set and the process stops (loudly, non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from miles.buffer.client import BufferClient
+from miles.common.jobspec.rollout import RolloutSpec
+from miles.rollout.contracts import AgentFn, load_callable
+from miles.rollout.cursor import DatasetCursor
+from miles.rollout.dataset import Dataset, load_dataset
+from miles.rollout.episode import EpisodeRunner
+from miles.rollout.ledger import SessionLedger
+from miles.rollout.metrics import RolloutMetrics
+from miles.rollout.pusher import GroupPusher
+from miles.rollout.rewards import Scorer
+from miles.rollout.sandbox import SandboxClient
+from miles.rollout.scheduler import RolloutScheduler
+from miles.rollout.sessions import SessionClient
+from miles.rollout.settings import RolloutSettings
+from miles.rollout.sweeper import OrphanSweeper
+
+log = logging.getLogger(__name__)
+
+
+def _agent_extra_metadata(settings: RolloutSettings) -> dict[str, Any]:
+    """What agents get in `metadata` besides the episode's own fields: where the sandbox gateway is."""
+    extra: dict[str, Any] = {}
+    if settings.sandbox_http_url:
+        extra["sandbox_url"] = settings.sandbox_http_url.rstrip("/")
+    if settings.sandbox_address:
+        extra["sandbox_address"] = settings.sandbox_address
+    return extra
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        spec: RolloutSpec,
+        *,
+        dataset: Dataset,
+        redis_client: aioredis.Redis,
+        cursor: DatasetCursor,
+        sessions: SessionClient,
+        buffer: BufferClient,
+        sandbox: SandboxClient | None,
+        runner: EpisodeRunner,
+        scheduler: RolloutScheduler,
+        sweeper: OrphanSweeper,
+    ) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.dataset = dataset
+        self.redis = redis_client
+        self.cursor = cursor
+        self.sessions = sessions
+        self.buffer = buffer
+        self.sandbox = sandbox
+        self.runner = runner
+        self.scheduler = scheduler
+        self.sweeper = sweeper
+        self.failed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._sweeper_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def build(cls, settings: RolloutSettings, metrics: RolloutMetrics) -> RolloutWorker:
+        spec = settings.rollout
+        assert spec is not None, "validated by RolloutSettings: a job has a rollout section"
+        job_id = settings.job_id
+        dataset = load_dataset(spec.dataset)
+        agent: AgentFn = load_callable(spec.agent.function, spec.agent.python_path, what="rollout.agent.function")
+        sandbox = SandboxClient(settings.sandbox_address) if settings.sandbox_address else None
+        scorer = Scorer(spec.reward, job_id=job_id, sandbox=sandbox)
+        redis_client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=10.0, socket_connect_timeout=5.0)
+        cursor = DatasetCursor(redis_client, key_prefix=settings.key_prefix, job_id=job_id, num_seqs=dataset.num_seqs)
+        sessions = SessionClient(
+            settings.session_server_url,
+            operator_token=settings.session_operator_token.get_secret_value(),
+            request_timeout_s=settings.session_request_timeout_s,
+            retry_budget_s=settings.retry_budget_s,
+            on_retry=lambda operation: metrics.session_call_retries.labels(operation=operation).inc(),
+        )
+        ledger = SessionLedger(redis_client, key_prefix=settings.key_prefix, job_id=job_id)
+        sweeper = OrphanSweeper(sessions, ledger, job_id=job_id, min_age_s=settings.orphan_min_age_s, metrics=metrics)
+        sessions.on_uncertain_create = sweeper.request
+        runner = EpisodeRunner(
+            spec,
+            sessions=sessions,
+            agent=agent,
+            scorer=scorer,
+            metrics=metrics,
+            worker_id=settings.worker_id,
+            agent_extra_metadata=_agent_extra_metadata(settings),
+            ledger=ledger,
+        )
+        buffer = BufferClient(settings.buffer_address)
+        pusher = GroupPusher(buffer, job_id=job_id, metrics=metrics, push_wait_s=settings.push_wait_s)
+
+        async def reap_orphans(seq: int) -> int:
+            # The dead worker may also have been killed inside a create, before it could record the session.
+            sweeper.request()
+            return await runner.reap_orphans(seq)
+
+        async def requeued() -> list[tuple[int, int]]:
+            return [(int(p.epoch), int(p.prompt_index)) for p in await buffer.pull_requeued(job_id)]
+
+        scheduler = RolloutScheduler(
+            spec=spec,
+            job_id=job_id,
+            worker_id=settings.worker_id,
+            dataset=dataset,
+            cursor=cursor,
+            run_episode=runner.run,
+            pusher=pusher,
+            metrics=metrics,
+            lease_s=settings.lease_s,
+            requeued=requeued,
+            requeue_poll_interval_s=settings.requeue_poll_interval_s,
+            reap_orphans=reap_orphans,
+        )
+        return cls(
+            settings,
+            spec,
+            dataset=dataset,
+            redis_client=redis_client,
+            cursor=cursor,
+            sessions=sessions,
+            buffer=buffer,
+            sandbox=sandbox,
+            runner=runner,
+            scheduler=scheduler,
+            sweeper=sweeper,
+        )
+
+    async def start(self) -> None:
+        """Binds the cursor to the dataset (ConfigError on a mismatch) and starts the scheduler."""
+        await self.cursor.check_fingerprint(self.dataset.fingerprint)
+        self._task = asyncio.create_task(self.scheduler.run())
+        self._task.add_done_callback(self._on_scheduler_done)
+        self._sweeper_task = asyncio.create_task(self.sweeper.run())
+        log.info(
+            "rollout started",
+            extra={
+                "job_id": self.settings.job_id,
+                "worker_id": self.settings.worker_id,
+                "num_prompts": len(self.dataset),
+                "max_live_episodes": self.scheduler.max_live_episodes,
+            },
+        )
+
+    def _on_scheduler_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the scheduler stopped unexpectedly", exc_info=task.exception())
+            self.failed.set()
+
+    async def stop(self) -> None:
+        """Cancels the scheduler (in-flight episodes delete their sessions, leases are handed back), closes."""
+        tasks = [task for task in (self._task, self._sweeper_task) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.runner.drain()
+        await self.sessions.close()
+        await self.buffer.close()
+        if self.sandbox is not None:
+            await self.sandbox.close()
+        await self.redis.aclose()
+
+    async def check_ready(self) -> None:
+        await self.redis.ping()
+        if self._task is None or self._task.done():
+            raise RuntimeError("the scheduler is not running")
+
+    async def status(self) -> dict[str, Any]:
+        cursor = await self.cursor.status()
+        num_rows = len(self.dataset)
+        return {
+            "job_id": self.settings.job_id,
+            "worker_id": self.settings.worker_id,
+            "num_prompts": num_rows,
+            "num_epochs": self.spec.dataset.num_epochs,
+            "epoch": cursor.next_seq // num_rows,
+            "cursor": {
+                "next_seq": cursor.next_seq,
+                "num_done": cursor.num_done,
+                "num_leased": cursor.num_leased,
+                "num_redo": cursor.num_redo,
+                "lowest_open_seq": cursor.lowest_open_seq,
+                "num_seqs": self.dataset.num_seqs,
+            },
+            "live_episodes": self.scheduler.num_live_episodes,
+            "max_live_episodes": self.scheduler.max_live_episodes,
+            "open_groups": len(self.scheduler.open_seqs),
+            "groups_finished": self.scheduler.num_groups_finished,
+            "paused": self.scheduler.pusher.paused,
+            "exhausted": self.scheduler.exhausted,
+            "orphan_sweep_pending": self.sweeper.pending,
+        }
