@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.engine.tiny_model import build_tiny_model
 from miles.model import load_model, load_named_tensors
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.torch_backend import load_policy
 from miles.trainer.batch import TrainSample, samples_from_group
-from miles.trainer.config import TrainConfig
 from miles.trainer.step import run_step
 from miles.trainer.toy_task import ToyTask, mean_reward, sample_group
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles.trainer.config import CorrectionConfig
+from miles.common.jobspec.trainer import CorrectionConfig
 from miles.trainer.corrections import compute_correction
 from miles.trainer.stats import StepStats
 

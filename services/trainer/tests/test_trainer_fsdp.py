@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from miles.buffer.client import BufferClient
+from miles.common.jobspec.trainer import TrainConfig
 from miles.common.testing import free_port
 from miles.common.testing.smoke import console_script
 from miles.model import load_model, read_safetensors_dir
@@ -20,7 +21,6 @@ from miles.proto.trainer.v1 import trainer_pb2
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.torch_backend import load_policy
 from miles.trainer.batch import samples_from_group
-from miles.trainer.config import TrainConfig
 from miles.trainer.step import run_step
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

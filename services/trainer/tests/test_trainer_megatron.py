@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.model import ModelConfig, read_safetensors_dir
 from miles.trainer.backends.megatron_mapping import AttentionLayout, fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv
 from miles.trainer.backends.torch_backend import load_policy
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import TrainConfig
 from miles.trainer.step import StepPlan, run_step
 
 # megatron-core 0.16.1 warns about its own deprecations and missing Apex/TE at import and build time.

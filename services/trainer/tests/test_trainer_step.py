@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.model import load_model, sequence_logprobs
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.torch_backend import TorchBackend, load_policy
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import TrainConfig
 from miles.trainer.step import StepPlan, run_step
 
 

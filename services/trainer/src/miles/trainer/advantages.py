@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from miles.trainer.config import AdvantageEstimator
+from miles.common.jobspec.trainer import AdvantageEstimator
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.advantages import SampleReward, compute_advantages
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import TrainConfig
 from miles.trainer.packing import plan_micro_batches
 from miles.trainer.step import StepPlan
 

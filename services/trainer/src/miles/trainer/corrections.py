@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.config import CorrectionConfig, MisLevel
+from miles.common.jobspec.trainer import CorrectionConfig, MisLevel
 from miles.trainer.stats import StepStats
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.backends.base import TrainBackend
-from miles.trainer.config import TrainConfig
 from miles.trainer.stats import StepStats, merge_all
 from miles.trainer.step import StepPlan, StepResult, run_step
 

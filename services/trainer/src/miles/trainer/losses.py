@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.config import Aggregation, KlEstimator
+from miles.common.jobspec.trainer import Aggregation, KlEstimator
 
 KL_LOG_RATIO_CLAMP = 20.0
 

@@ -1,7 +1,7 @@
 """Settings of the trainer (environment prefix MILES_TRAINER_), validated at start-up.
 
 Process fields (where the data, model and checkpoints are; which backend; the rank layout) are top-level; the
-training recipe is the nested `train` section (`miles.trainer.config.TrainConfig`), e.g.
+training recipe is the nested `train` section (`miles.common.jobspec.trainer.TrainConfig`), e.g.
 `MILES_TRAINER_TRAIN__LOSS__CLIP_HIGH=0.28` or `{"train": {"loss": {"clip_high": 0.28}}}` in the JSON file named
 by `MILES_TRAINER_CONFIG_FILE` (written by the controller from the job spec).
 """
@@ -14,8 +14,8 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
+from miles.common.jobspec.trainer import Section, TrainConfig
 from miles.common.settings import ServiceSettings, service_config
-from miles.trainer.config import Section, TrainConfig
 
 
 class MegatronSettings(Section):
@@ -110,7 +110,7 @@ class TrainerSettings(ServiceSettings):
     """torch intra-op threads (0: torch's default)."""
 
     train: TrainConfig = TrainConfig()
-    """The training recipe (see miles.trainer.config)."""
+    """The training recipe (see miles.common.jobspec.trainer)."""
 
     publish: PublishSettings = PublishSettings()
     """Weight publishing."""

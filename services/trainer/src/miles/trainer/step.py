@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.backends.base import TrainBackend
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import TrainConfig
 from miles.trainer.corrections import compute_correction
 from miles.trainer.losses import aggregation_weights, kl_penalty, ppo_clip_loss, sft_loss
 from miles.trainer.stats import StepStats

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles.common.jobspec.trainer import OptimizerConfig, TrainConfig
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import OptimizerConfig, TrainConfig
 
 if TYPE_CHECKING:
     import torch

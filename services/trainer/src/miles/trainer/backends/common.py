@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.common.jobspec.trainer import OptimizerConfig
 from miles.trainer.backends.base import lr_multiplier
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import OptimizerConfig
 
 
 @dataclass(frozen=True)

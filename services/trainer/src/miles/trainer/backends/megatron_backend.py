@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from miles.common.errors import ConfigError
+from miles.common.jobspec.trainer import TrainConfig
 from miles.model import ModelConfig, read_safetensors_dir
 from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend
 from miles.trainer.backends.common import (
@@ -33,7 +34,6 @@ from miles.trainer.backends.common import (
 from miles.trainer.backends.cpu_compat import apply_cpu_compat
 from miles.trainer.backends.megatron_mapping import AttentionLayout, hf_to_megatron, megatron_to_hf
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import TrainConfig
 from miles.trainer.losses import entropy_from_logprobs
 
 if TYPE_CHECKING:

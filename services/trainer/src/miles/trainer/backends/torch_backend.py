@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from miles.common.jobspec.trainer import TrainConfig
 from miles.model import CausalLM, Segment, block_logprobs, load_model, load_named_tensors, row_blocks
 from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend
 from miles.trainer.backends.common import (
@@ -36,7 +37,6 @@ from miles.trainer.backends.common import (
     packed_rows,
 )
 from miles.trainer.batch import TrainSample
-from miles.trainer.config import TrainConfig
 from miles.trainer.losses import entropy_from_logprobs
 
 if TYPE_CHECKING:

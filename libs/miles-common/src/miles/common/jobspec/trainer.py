@@ -4,8 +4,9 @@
 job's trainer section in the JSON file named by `MILES_TRAINER_CONFIG_FILE`, which the controller writes). Every
 field states its unit and default; the defaults follow Miles (TIS clamp [0, 2], PPO eps 0.2) where Miles has one.
 
-Formulas live in the modules that compute them (`advantages.py`, `losses.py`, `corrections.py`) and in the
-service README.
+It lives in miles.common.jobspec (not in the trainer) so that the controller can validate a whole job spec
+without importing torch. Formulas live in the trainer modules that compute them (`miles.trainer.advantages`,
+`losses`, `corrections`) and in the trainer README.
 """
 
 from __future__ import annotations
