@@ -228,6 +228,7 @@ async def test_five_versions_reach_every_engine_bit_exact(cluster: Cluster, tran
             _metric(d.url, "miles_weightsync_engine_updates_total", outcome="delta")
             for d in (cluster.origin, cluster.peer)
         ]
+        data_channel_before = _metric(cluster.peer.url, "miles_weightsync_full_fetches_total", path="data_channel")
         previous = greedy(cluster.engines[0].url, PROMPT)
         for _ in range(5):
             result = await _publish_next(cluster, client)
@@ -243,6 +244,9 @@ async def test_five_versions_reach_every_engine_bit_exact(cluster: Cluster, tran
     ]
     if transport == "delta":
         assert [after - before for after, before in zip(delta_loads, delta_loads_before, strict=True)] == [5, 5]
+    if transport == "stream":  # the peer's full loads came over the origin's raw TCP data channel
+        data_channel = _metric(cluster.peer.url, "miles_weightsync_full_fetches_total", path="data_channel")
+        assert data_channel - data_channel_before == 5
     assert cluster.load.failures == []
     assert cluster.load.num_ok > ok_before, "requests kept being served during the rolling updates"
 

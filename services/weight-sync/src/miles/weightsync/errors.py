@@ -61,3 +61,13 @@ class RolloutInProgressError(ConflictError):
 
 class UnsupportedTransportError(InvalidArgumentError):
     """The transport cannot run here (e.g. NCCL requested from a daemon, disk without a model config)."""
+
+
+class DataChannelError(UnavailableError):
+    """A raw TCP data channel broke during the transfer (closed early = truncated, reset, stalled, extra bytes);
+    what arrived is discarded and no engine is touched."""
+
+
+class DataChannelSetupError(DataChannelError):
+    """A data channel could not be set up (no answer, connection refused, token refused); callers fall back to
+    the gRPC stream (FetchWeights)."""

@@ -20,7 +20,13 @@ from miles.weightsync.events import ENGINE_UPDATE_FAILED, ENGINE_UPDATED, ROLLOU
 from miles.weightsync.publish import PublishedVersion
 from miles.weightsync.rollout import PAUSE_TO_PB, TRANSPORT_TO_PB, RolloutPlan
 from miles.weightsync.service import WeightSyncCore
-from miles.weightsync.wire import TensorChecks, encoded_weights_chunks, serialize_weights_message, spec_from_pb
+from miles.weightsync.wire import (
+    TensorChecks,
+    encoded_weights_chunks,
+    header_message,
+    serialize_weights_message,
+    spec_from_pb,
+)
 
 SERVICE_NAME = "miles.weightsync.v1.WeightSyncService"
 _TRANSPORT_FROM_PB = {value: key for key, value in TRANSPORT_TO_PB.items()}
@@ -198,6 +204,22 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 served.inc(len(message))
             yield message
 
+    async def OpenDataChannel(
+        self, request: pb.OpenDataChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DataChannelOffer:
+        self.core.check_job(request.job_id)
+        offer = await self.core.open_data_channel(request.version, max(1, request.num_connections))
+        weights = offer.weights
+        return pb.DataChannelOffer(
+            host=self.core.settings.data_host,
+            port=offer.port,
+            token=offer.token,
+            num_connections=offer.num_connections,
+            header=header_message(self.core.job_id, weights.version, weights.version - 1, weights.specs).header,
+            manifest_sha256=weights.manifest_sha256,
+            expires_in_s=offer.timeout_s,
+        )
+
     async def FetchStoredVersion(
         self, request: pb.FetchStoredVersionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StoredVersionChunk]:
@@ -243,6 +265,11 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
             servicer.FetchWeights,
             request_deserializer=pb.FetchWeightsRequest.FromString,
             response_serializer=serialize_weights_message,
+        ),
+        "OpenDataChannel": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenDataChannel,
+            request_deserializer=pb.OpenDataChannelRequest.FromString,
+            response_serializer=pb.DataChannelOffer.SerializeToString,
         ),
         "FetchStoredVersion": grpc.unary_stream_rpc_method_handler(
             servicer.FetchStoredVersion,

@@ -1,6 +1,6 @@
 """The Prometheus metrics of weight-sync (`miles_weightsync_*`), created once per process.
 
-Labels are bounded: kind (full/delta/snapshot), phase (a fixed list), transport, outcome, stage, reason, and
+Labels are bounded: kind (full/delta/snapshot), phase (a fixed list), transport, outcome, stage, reason, path, and
 `engine` (the job's engine URLs: a per-job daemon sees only its job's engines).
 """
 
@@ -55,7 +55,18 @@ class WeightsyncMetrics:
         )
         self.replicated_bytes = metrics.counter("replicated_bytes", "Stored bytes copied from the origin")
         self.fetched_bytes = metrics.counter("fetched_bytes", "Full tensor bytes streamed from the origin")
-        self.served_bytes = metrics.counter("served_bytes", "Bytes sent to other daemons, by rpc", ["rpc"])
+        self.served_bytes = metrics.counter(
+            "served_bytes", "Bytes sent to other daemons, by rpc (or data_channel)", ["rpc"]
+        )
+        self.fetches = metrics.counter(
+            "full_fetches",
+            "Full loads fetched from the origin, by path: data_channel, grpc (data channel off or unsupported by "
+            "the origin), fallback (the data channel could not be set up)",
+            ["path"],
+        )
+        self.data_connections = metrics.counter(
+            "data_connections", "Data channel connections served, by outcome (accepted, rejected, broken)", ["outcome"]
+        )
         self.latest_version.set(-1)
 
     def observe_phase(self, phase: str, seconds: float) -> None:

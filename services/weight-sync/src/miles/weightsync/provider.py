@@ -38,6 +38,7 @@ class WeightProvider:
         fetch_streams: int,
         chunk_bytes: int,
         retain_versions: int,
+        data_timeout_s: float | None = None,
     ) -> None:
         self.store = store
         self.job_id = store.job_id
@@ -46,6 +47,7 @@ class WeightProvider:
         self.fetch_streams = fetch_streams
         self.chunk_bytes = chunk_bytes
         self.retain_versions = retain_versions
+        self.data_timeout_s = data_timeout_s  # None: full loads use FetchWeights streams only
         self.head: WeightSet | None = None
         self.write_lock = asyncio.Lock()
 
@@ -111,11 +113,17 @@ class WeightProvider:
         return await self.materialize(version)
 
     async def stream_full(self, version: int) -> WeightSet:
-        """Full weights streamed from the origin (FetchWeights); the head cache on the origin itself."""
+        """Full weights from the origin (its data channel, else FetchWeights streams); the head cache on the
+        origin itself."""
         if self.origin is None:
             return await self.full(version)
-        published = await self.origin.fetch_weights(
-            self.job_id, version, num_streams=self.fetch_streams, chunk_bytes=self.chunk_bytes
+        published, path = await self.origin.fetch_full(
+            self.job_id,
+            version,
+            num_connections=self.fetch_streams,
+            chunk_bytes=self.chunk_bytes,
+            data_timeout_s=self.data_timeout_s,
         )
+        self.metrics.fetches.labels(path).inc()
         self.metrics.fetched_bytes.inc(sum(spec.num_bytes for spec in published.specs))
         return WeightSet(published.version, published.specs, published.data)

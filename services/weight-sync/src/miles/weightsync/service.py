@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.common.errors import FailedPreconditionError
 from miles.common.telemetry import Metrics
 from miles.weightsync.daemon_client import DaemonClient
+from miles.weightsync.datachannel import ChannelOffer, DataChannelServer
 from miles.weightsync.engine_client import RouterClient
 from miles.weightsync.engines import EngineOutcome, LocalEngines
-from miles.weightsync.errors import UnknownJobError, WrongParentError
+from miles.weightsync.errors import DataChannelSetupError, UnknownJobError, WrongParentError
 from miles.weightsync.events import STORED, EventLog, VersionEvent
 from miles.weightsync.manifest import Manifest, TensorSpec
 from miles.weightsync.metrics import WeightsyncMetrics
@@ -57,6 +59,13 @@ class WeightSyncCore:
             fetch_streams=settings.fetch_streams,
             chunk_bytes=settings.chunk_bytes,
             retain_versions=settings.retain_versions,
+            data_timeout_s=settings.data_timeout_s if settings.data_channel else None,
+        )
+        serves_data = settings.data_channel and self.origin is None
+        self.data_server = (
+            DataChannelServer(settings.host, settings.data_port, self.metrics, settings.data_timeout_s)
+            if serves_data
+            else None
         )
         self.events = EventLog(settings.event_history)
         timeout_s = settings.engine_request_timeout_s
@@ -80,10 +89,14 @@ class WeightSyncCore:
         versions = await asyncio.to_thread(self.store.list_versions)
         self.metrics.latest_version.set(versions[-1] if versions else -1)
         self.metrics.stored_versions.set(len(versions))
+        if self.data_server is not None:
+            self.data_server.start()
 
     async def close(self) -> None:
         if self._auto_task is not None:
             self._auto_task.cancel()
+        if self.data_server is not None:
+            await self.data_server.close()
         await self.local.close()
         await self.peers.close()
         if self.router is not None:
@@ -249,6 +262,18 @@ class WeightSyncCore:
 
     async def full_weights(self, version: int) -> WeightSet:
         return await self.provider.full(version)
+
+    async def open_data_channel(self, version: int, num_connections: int) -> ChannelOffer:
+        """A one-shot data channel offer for `version`'s full weights (the origin's fast path of FetchWeights)."""
+        if self.data_server is None:
+            raise FailedPreconditionError("the data channel is off on this daemon; use FetchWeights")
+        weights = await self.full_weights(version)
+        if not self.data_server.started:
+            try:
+                self.data_server.start()
+            except DataChannelSetupError as exc:
+                raise FailedPreconditionError(exc.message) from exc
+        return self.data_server.offer(weights, num_connections)
 
     async def stored_blobs(self, version: int) -> tuple[Manifest, list[str]]:
         manifest = await self.provider.ensure_stored(version)

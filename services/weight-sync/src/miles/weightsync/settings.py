@@ -93,7 +93,25 @@ class WeightsyncSettings(ServiceSettings):
     """Bytes per message of FetchWeights / FetchStoredVersion when the caller does not say."""
 
     fetch_streams: int = Field(default=4, ge=1, le=64)
-    """Concurrent FetchWeights streams a daemon opens to the origin for one full load (tensors split between)."""
+    """Concurrent data channel connections (or FetchWeights streams, when falling back) a daemon opens to the
+    origin for one full load (tensors split between them)."""
+
+    data_channel: bool = True
+    """Move full loads (the stream transport, full loads and fallbacks of daemons with an origin) over a one-shot
+    raw TCP data channel negotiated over gRPC (OpenDataChannel); the origin serves it on data_port. false = gRPC
+    FetchWeights streams only. A receiver falls back to FetchWeights when the channel cannot be set up."""
+
+    data_port: int = Field(default=0, ge=0, le=65535)
+    """TCP port of the origin's data channel listener, bound on `host` (0 = an ephemeral port, announced in each
+    offer). In Kubernetes set a fixed port that Services and NetworkPolicies let through."""
+
+    data_host: str = ""
+    """Host the origin tells receivers to connect to for the data channel ("" = the host they reached its gRPC
+    port at)."""
+
+    data_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds an offered data channel waits for its connections, and the longest a data connection may stall
+    (sending or receiving) before the transfer fails."""
 
     tensor_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
     """Most raw tensor bytes in one /update_weights_from_tensor request (bigger loads are split)."""

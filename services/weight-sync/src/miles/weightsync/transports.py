@@ -9,8 +9,9 @@ The final load call carries weight_version=v; the caller then sets the version l
 - `delta`  `current` + the stored deltas up to v, every decoded tensor checked against its sha256 *before* any
            byte is sent; only the tensors that changed go to /update_weights_from_tensor. Any verification or
            store failure falls back to a full load (counted); no local copy yet means a full load.
-- `stream` full weights streamed over gRPC from the origin daemon (FetchWeights, several concurrent streams),
-           every tensor checked, then /update_weights_from_tensor.
+- `stream` full weights from the origin daemon over a one-shot raw TCP data channel negotiated over gRPC
+           (OpenDataChannel, `fetch_streams` connections; datachannel.py), else over FetchWeights streams, every
+           tensor checked, then /update_weights_from_tensor.
 - `nccl`   SGLang's /init_weights_update_group + /update_weights_from_distributed, driven from the trainer
            process that holds the tensors (nccl.py); a daemon cannot run it.
 """
