@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv install protos tools redis-check sandbox-check test chart-test chart-settings lint format lock run bench tiny-model clean
+.PHONY: help setup venv install protos tools redis-check sandbox-check test chart-test chart-settings chart-docs e2e-kind lint format lock run bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -64,6 +64,14 @@ chart-settings:
 # The Helm chart alone: helm lint, rendering with every values file, Kubernetes schema validation, policy checks.
 chart-test:
 	$(PY) -m pytest helm $(PYTEST_ARGS)
+
+# helm/miles/README.md from README.md.gotmpl and the values.yaml comments (settings blocks synced first).
+chart-docs: chart-settings
+	$(PY) scripts/chart_docs.py
+
+# The platform on a local kind cluster, end to end on the CPU (needs docker and kind; not part of make test).
+e2e-kind:
+	scripts/e2e_kind.sh
 
 lint:
 	$(VENV)/bin/ruff check .

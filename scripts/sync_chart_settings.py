@@ -32,6 +32,7 @@ CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url"}
 # Where an in-cluster install needs another default than a local process (field -> value).
 CHART_DEFAULTS: dict[str, dict[str, Any]] = {
     "sandboxGateway": {"backend": "kubernetes"},
+    "controller": {"backend": "kubernetes"},
     "rolloutRouter": {"k8s_discovery": True},
 }
 _BLOCK_RE = re.compile(
@@ -55,11 +56,11 @@ def settings_block(reference: str, indent: str, secret_fields: set[str], chart_d
         if name in CHART_MANAGED or name in secret_fields:
             continue
         doc = " ".join((field.description or "").split())
-        lines.append(f"{indent}# -- {doc}\n")
         default = TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
         if name in chart_defaults:
             doc += f" (chart default; the service's own default is {yaml_scalar(default)})"
             default = chart_defaults[name]
+        lines.append(f"{indent}# -- {doc}\n")
         lines.append(f"{indent}{name}: {yaml_scalar(default)}\n")
     lines.append(f"{indent}# END generated\n")
     return "".join(lines)
@@ -73,6 +74,7 @@ def render(values_text: str) -> str:
         component = next(key for key, ref in COMPONENT_SETTINGS.items() if ref == reference)
         secret_fields = {entry["field"] for entry in values[component].get("secretEnv", [])}
         secret_fields |= set(values[component].get("links", {}))
+        secret_fields |= set(values[component].get("fullnameSettings", {}))
         return settings_block(reference, match.group("indent"), secret_fields, CHART_DEFAULTS.get(component, {}))
 
     return _BLOCK_RE.sub(replace, values_text)

@@ -1,37 +1,52 @@
 {{/*
-The network flows of DESIGN.md §1, as data: who may open connections to whom, on which named port.
+The network flows of DESIGN.md §1, as data: who may open connections to whom, on which named port ("any": every
+port, for torch.distributed, whose NCCL/gloo connections use ephemeral ports beyond the rendezvous port).
 "perJob" flows stay inside one job (the per-job NetworkPolicy enforces that); the others are platform-wide.
 NetworkPolicies (shared and per job) are generated from this list; tests compare it with the design.
+Logical components map to pods through miles.podComponent (weight-sync runs in engine pods in sidecar mode).
 */}}
 {{- define "miles.flows" -}}
 - {from: rollout-worker, to: session-server, port: http}
 - {from: controller, to: session-server, port: http}
 - {from: session-server, to: rollout-router, port: http}
+# weight-sync drains and undrains engines through the router's HTTP admin mirror (/admin/v1).
 - {from: weight-sync, to: rollout-router, port: http}
-- {from: weight-sync, to: rollout-router, port: admin}
+- {from: weight-sync-origin, to: rollout-router, port: http}
 - {from: controller, to: rollout-router, port: http}
 - {from: controller, to: rollout-router, port: admin}
 - {from: rollout-worker, to: buffer, port: grpc}
 - {from: trainer, to: buffer, port: grpc}
 - {from: controller, to: buffer, port: grpc}
 - {from: rollout-worker, to: sandbox-gateway, port: grpc}
+# The sandbox gateway's HTTP facade (sandbox_http_url, for agents without gRPC) shares its metrics port.
+- {from: rollout-worker, to: sandbox-gateway, port: metrics}
 - {from: controller, to: redis, port: redis}
 - {from: session-server, to: redis, port: redis}
 - {from: buffer, to: redis, port: redis}
 - {from: rollout-worker, to: redis, port: redis}
 - {from: rollout-router, to: engine, port: http}
+# Weight loads (/update_weights_*, pause, version) by the daemon next to the engine.
 - {from: weight-sync, to: engine, port: http, perJob: true}
+# The nccl transport runs in the trainer and sets up its update groups over the engines' HTTP API.
 - {from: trainer, to: engine, port: http, perJob: true}
-- {from: trainer, to: weight-sync, port: grpc, perJob: true}
-- {from: controller, to: weight-sync, port: grpc}
+# PublishWeights: the trainer publishes every version to the job's origin.
+- {from: trainer, to: weight-sync-origin, port: grpc, perJob: true}
+# FetchStoredVersion / FetchWeights: daemons copy versions from the origin.
+- {from: weight-sync, to: weight-sync-origin, port: grpc, perJob: true}
+# OpenDataChannel's raw TCP data channel: daemons pull a version's full tensors from the origin (stream transport).
+- {from: weight-sync, to: weight-sync-origin, port: data, perJob: true}
+# UpdateEngines: the origin rolls each version through the daemons (peers_dns).
+- {from: weight-sync-origin, to: weight-sync, port: grpc, perJob: true}
+- {from: controller, to: weight-sync-origin, port: grpc}
 - {from: controller, to: trainer, port: grpc}
-- {from: trainer, to: trainer, port: dist, perJob: true}
+- {from: trainer, to: trainer, port: any, perJob: true}
 {{- end -}}
 
-{{/* Components that are per job (their ingress is enforced by the per-job NetworkPolicy). */}}
+{{/* Pod components of per-job objects (their ingress is enforced per job by the per-job NetworkPolicy). */}}
 {{- define "miles.perJobComponents" -}}
 - engine
 - weight-sync
+- weight-sync-origin
 - trainer
 - rollout-worker
 {{- end -}}
@@ -43,4 +58,37 @@ engine
 {{- else -}}
 {{ .component }}
 {{- end -}}
+{{- end -}}
+
+{{/* Every pod component of the platform (shared and per job), as a YAML list. */}}
+{{- define "miles.podComponents" -}}
+{{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" -}}
+{{- $pods := list -}}
+{{- range $all }}{{ $pods = append $pods (include "miles.podComponent" (dict "root" $ "component" .)) }}{{ end -}}
+{{- toYaml ($pods | uniq) -}}
+{{- end -}}
+
+{{/* Named ports Prometheus scrapes on a pod component (none on Redis). */}}
+{{- define "miles.metricsPorts" -}}
+{{- if has .component (list "controller" "session-server" "rollout-router" "rollout-worker") -}}
+[http]
+{{- else if eq .component "engine" -}}
+{{- if eq .root.Values.jobTemplates.weightSync.mode "sidecar" }}[http, metrics]{{ else }}[http]{{ end -}}
+{{- else if eq .component "redis" -}}
+[]
+{{- else -}}
+[metrics]
+{{- end -}}
+{{- end -}}
+
+{{/* A NetworkPolicy port list for a flow port ("any" = no ports field: every port). */}}
+{{- define "miles.flowPorts" -}}
+{{- if ne .port "any" -}}
+ports: [{protocol: TCP, port: {{ .port }}}]
+{{- end -}}
+{{- end -}}
+
+{{/* daemonset mode puts engines on the host network: flows to them go to the node CIDRs. */}}
+{{- define "miles.enginesOnHostNetwork" -}}
+{{- if eq .Values.jobTemplates.weightSync.mode "daemonset" }}true{{ end -}}
 {{- end -}}

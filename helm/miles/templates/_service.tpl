@@ -11,19 +11,22 @@ settings (-> MILES_<envPrefix>_*), usesRedis, extraEnv, autoscaling, podDisrupti
 {{- end -}}
 
 {{/*
-Where another shared service is reached: "componentKey" -> http://<fullname>-<component>:<http port>,
-"componentKey:grpc" -> <fullname>-<component>:<grpc port>.
+Where another shared service is reached, for settings field .field: target "<componentKey>" is its HTTP port,
+"<componentKey>:<port name>" another named port. Fields named *_url get a URL (http://<fullname>-<component>:<port>),
+others host:port. A disabled component gives "" (the settings' "none").
 */}}
 {{- define "miles.linkValue" -}}
 {{- $parts := splitList ":" .target -}}
 {{- $key := first $parts -}}
 {{- $target := index .root.Values $key | required (printf "links: unknown component %q" $key) -}}
-{{- $component := $key | kebabcase -}}
-{{- $host := printf "%s-%s" (include "miles.fullname" .root) $component -}}
-{{- if eq (last $parts) "grpc" -}}
-{{- printf "%s:%v" $host $target.ports.grpc -}}
+{{- $portName := ternary (last $parts) "http" (gt (len $parts) 1) -}}
+{{- $port := index $target.ports $portName | required (printf "links: component %q has no port %q" $key $portName) -}}
+{{- $host := printf "%s-%s" (include "miles.fullname" .root) ($key | kebabcase) -}}
+{{- if not $target.enabled -}}
+{{- else if hasSuffix "_url" .field -}}
+{{- printf "http://%s:%v" $host $port -}}
 {{- else -}}
-{{- printf "http://%s:%v" $host $target.ports.http -}}
+{{- printf "%s:%v" $host $port -}}
 {{- end -}}
 {{- end -}}
 
@@ -56,6 +59,8 @@ spec:
     spec:
       serviceAccountName: {{ include "miles.componentName" $ctx }}
       automountServiceAccountToken: {{ $c.rbac | default false }}
+      # Service links would inject MILES_<NAME>_PORT=tcp://... variables that collide with settings names.
+      enableServiceLinks: false
       securityContext:
         {{- include "miles.podSecurityContext" $root | nindent 8 }}
       {{- with $root.Values.global.imagePullSecrets }}
@@ -94,7 +99,11 @@ spec:
             {{- end }}
             {{- range $field, $target := $c.links }}
             - name: MILES_{{ $c.envPrefix }}_{{ $field | upper }}
-              value: {{ include "miles.linkValue" (dict "root" $root "target" $target) | quote }}
+              value: {{ include "miles.linkValue" (dict "root" $root "target" $target "field" $field) | quote }}
+            {{- end }}
+            {{- range $field, $suffix := $c.fullnameSettings }}
+            - name: MILES_{{ $c.envPrefix }}_{{ $field | upper }}
+              value: {{ printf "%s-%s" (include "miles.fullname" $root) $suffix | quote }}
             {{- end }}
             {{- range $portName, $field := $c.portSettings }}
             - name: MILES_{{ $c.envPrefix }}_{{ $field | upper }}

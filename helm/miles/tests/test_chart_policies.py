@@ -14,23 +14,25 @@ import pytest
 import yaml
 
 from miles.common.testing.helm import by_kind, render_chart
-from miles.controller.job_templates import JobTemplateParams, instantiate_job_templates
 
 Renderer = Callable[..., list[dict[str, Any]]]
+Objects = Callable[..., list[dict[str, Any]]]
 
-# (from, to, named port): the designed flows. "*" marks flows that must stay inside one job.
+# (from, to, named port): the designed flows (DESIGN.md §1, weight-sync topology of services/weight-sync/README.md).
+# "*" marks flows that must stay inside one job; "any" = every port (torch.distributed's ephemeral ports).
 DESIGNED_FLOWS = {
     ("rollout-worker", "session-server", "http"),
     ("controller", "session-server", "http"),
     ("session-server", "rollout-router", "http"),
     ("weight-sync", "rollout-router", "http"),
-    ("weight-sync", "rollout-router", "admin"),
+    ("weight-sync-origin", "rollout-router", "http"),
     ("controller", "rollout-router", "http"),
     ("controller", "rollout-router", "admin"),
     ("rollout-worker", "buffer", "grpc"),
     ("trainer", "buffer", "grpc"),
     ("controller", "buffer", "grpc"),
     ("rollout-worker", "sandbox-gateway", "grpc"),
+    ("rollout-worker", "sandbox-gateway", "metrics"),
     ("controller", "redis", "redis"),
     ("session-server", "redis", "redis"),
     ("buffer", "redis", "redis"),
@@ -38,20 +40,22 @@ DESIGNED_FLOWS = {
     ("rollout-router", "engine", "http"),
     ("weight-sync", "engine", "http*"),
     ("trainer", "engine", "http*"),
-    ("trainer", "weight-sync", "grpc*"),
-    ("controller", "weight-sync", "grpc"),
+    ("trainer", "weight-sync-origin", "grpc*"),
+    ("weight-sync", "weight-sync-origin", "grpc*"),
+    ("weight-sync", "weight-sync-origin", "data*"),
+    ("weight-sync-origin", "weight-sync", "grpc*"),
+    ("controller", "weight-sync-origin", "grpc"),
     ("controller", "trainer", "grpc"),
-    ("trainer", "trainer", "dist*"),
+    ("trainer", "trainer", "any*"),
 }
-EXAMPLE_JOB = JobTemplateParams("job-a", "/models/tiny", 2, 1, 1, 1, 1, 1)
 
 
 def component_of(selector: dict[str, Any]) -> str:
     return str(selector.get("matchLabels", {}).get("app.kubernetes.io/component", "?"))
 
 
-def ingress_flows(policies: list[dict[str, Any]], daemonset_mode: bool) -> set[tuple[str, str, str]]:
-    """(from, to, port) for every podSelector-based ingress rule; weight-sync runs in engine pods as a sidecar."""
+def ingress_flows(policies: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(from, to, port) for every podSelector-based ingress rule ("*": a per-job rule naming the same job)."""
     flows = set()
     for policy in policies:
         if "Ingress" not in policy["spec"]["policyTypes"]:
@@ -65,47 +69,94 @@ def ingress_flows(policies: list[dict[str, Any]], daemonset_mode: bool) -> set[t
                 source = component_of(peer["podSelector"])
                 same_job = "miles.dev/job" in peer["podSelector"].get("matchLabels", {})
                 assert same_job == per_job, f"{policy['metadata']['name']}: a per-job rule must name the same job"
-                for port in rule["ports"]:
-                    flows.add((source, target, f"{port['port']}{'*' if per_job else ''}"))
+                ports = [str(port["port"]) for port in rule.get("ports", [])] or ["any"]
+                flows |= {(source, target, f"{port}{'*' if per_job else ''}") for port in ports}
     return flows
 
 
 def to_sidecar_view(flows: set[tuple[str, str, str]]) -> set[tuple[str, str, str]]:
-    """The designed flows with weight-sync folded into the engine pods (sidecar mode), minus localhost ones."""
-    folded = {
-        (source.replace("weight-sync", "engine"), target.replace("weight-sync", "engine"), port)
-        for source, target, port in flows
-    }
-    return {flow for flow in folded if flow != ("engine", "engine", "http*")}
+    """The designed flows with the weight-sync daemons folded into the engine pods (sidecar mode)."""
+
+    def pod(component: str) -> str:
+        return "engine" if component == "weight-sync" else component
+
+    return {(pod(source), pod(target), port) for source, target, port in flows}
 
 
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
-def test_network_policies_allow_exactly_the_designed_flows(render: Renderer, mode: str) -> None:
-    shared = render([], [f"jobTemplates.weightSync.mode={mode}"])
-    templates = dict(
-        next(o for o in by_kind(shared, "ConfigMap") if o["metadata"]["name"].endswith("job-templates"))["data"]
-    )
-    per_job = instantiate_job_templates(templates, EXAMPLE_JOB)
-    policies = by_kind(shared, "NetworkPolicy") + by_kind(per_job, "NetworkPolicy")
+def test_network_policies_allow_exactly_the_designed_flows(render: Renderer, job_objects: Objects, mode: str) -> None:
+    values = [f"jobTemplates.weightSync.mode={mode}", "networkPolicy.nodeCidrs[0]=10.0.0.0/16"]
+    policies = by_kind(render([], values), "NetworkPolicy") + by_kind(job_objects("default", values), "NetworkPolicy")
     expected = DESIGNED_FLOWS if mode == "daemonset" else to_sidecar_view(DESIGNED_FLOWS)
-    assert ingress_flows(policies, mode == "daemonset") == expected
+    assert ingress_flows(policies) == expected
     (default_deny,) = [p for p in policies if p["metadata"]["name"].endswith("default-deny")]
     assert default_deny["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert [port["port"] for rule in default_deny["spec"]["egress"] for port in rule["ports"]] == [53, 53]
 
 
-def test_every_designed_flow_has_a_matching_egress_rule(render: Renderer) -> None:
-    policies = by_kind(render([], ["jobTemplates.weightSync.mode=daemonset"]), "NetworkPolicy")
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_origin_declares_its_data_channel_port_and_only_the_daemons_reach_it(
+    render: Renderer, job_objects: Objects, mode: str
+) -> None:
+    """The origin serves the data channel on the fixed data port (env, containerPort, Service port), and the
+    NetworkPolicies open it from the job's weight-sync daemons (engine pods in sidecar mode) and no one else."""
+    values = [f"jobTemplates.weightSync.mode={mode}", "networkPolicy.nodeCidrs[0]=10.0.0.0/16",
+              "jobTemplates.weightSync.ports.data=50099"]  # fmt: skip
+    objects = job_objects("default", values)
+    (origin,) = [o for o in by_kind(objects, "Deployment") if o["metadata"]["name"].endswith("-weight-sync-origin")]
+    (container,) = origin["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MILES_WEIGHTSYNC_DATA_PORT"] == "50099"
+    assert {"name": "data", "containerPort": 50099, "protocol": "TCP"} in container["ports"]
+    (service,) = [o for o in by_kind(objects, "Service") if o["metadata"]["name"].endswith("-weight-sync-origin")]
+    assert {"name": "data", "port": 50099, "targetPort": "data", "protocol": "TCP"} in service["spec"]["ports"]
+    # Only the origin serves the data channel: the daemons next to the engines declare no data port.
+    daemons = [c for w in objects if w["kind"] in ("Deployment", "DaemonSet")
+               for c in w["spec"]["template"]["spec"]["containers"] if c["name"] == "weight-sync"]  # fmt: skip
+    assert daemons and all("MILES_WEIGHTSYNC_DATA_PORT" not in {e["name"] for e in c["env"]} for c in daemons)
+    assert all("data" not in {p["name"] for p in c["ports"]} for c in daemons)
+    daemon_pod = "engine" if mode == "sidecar" else "weight-sync"
+    policies = by_kind(render([], values), "NetworkPolicy") + by_kind(objects, "NetworkPolicy")
+    data_in = {(s, t) for s, t, port in ingress_flows(policies) if port == "data*"}
+    assert data_in == {(daemon_pod, "weight-sync-origin")}
+    data_out = {(s, t) for s, t, port in egress_flows(policies) if port == "data"}
+    assert data_out == {(daemon_pod, "weight-sync-origin")}
+
+
+def egress_flows(policies: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(source, target or cidr, port) of every egress rule; an ipBlock peer is named by its CIDR."""
     egress = set()
     for policy in policies:
         if policy["spec"]["policyTypes"] != ["Egress"]:
             continue
         source = component_of(policy["spec"]["podSelector"])
         for rule in policy["spec"]["egress"]:
+            ports = [str(p["port"]) for p in rule.get("ports", [])] or ["any"]
             for peer in rule.get("to", []):
-                if "podSelector" in peer:
-                    egress |= {(source, component_of(peer["podSelector"]), str(p["port"])) for p in rule["ports"]}
-    assert egress == {(source, target, port.rstrip("*")) for source, target, port in DESIGNED_FLOWS}
+                target = component_of(peer["podSelector"]) if "podSelector" in peer else peer["ipBlock"]["cidr"]
+                egress |= {(source, target, port) for port in ports}
+    return egress
+
+
+def test_every_designed_flow_has_a_matching_egress_rule(render: Renderer) -> None:
+    sidecar = egress_flows(by_kind(render([]), "NetworkPolicy"))
+    api = {
+        (c, "0.0.0.0/0", port) for c in ("controller", "rollout-router", "sandbox-gateway") for port in ("443", "6443")
+    }
+    designed = {(source, target, port.rstrip("*")) for source, target, port in DESIGNED_FLOWS}
+    assert sidecar == {(s, t, p) for s, t, p in to_sidecar_view(designed)} | api
+    # daemonset mode: engines are on the host network, so flows to them go to the node CIDRs.
+    values = ["jobTemplates.weightSync.mode=daemonset", "networkPolicy.nodeCidrs[0]=10.0.0.0/16"]
+    daemonset = egress_flows(by_kind(render([], values), "NetworkPolicy"))
+    to_nodes = {(s, "10.0.0.0/16" if t == "engine" else t, p) for s, t, p in designed}
+    assert daemonset == to_nodes | api
+
+
+def test_extra_egress_goes_to_the_pods_running_the_component(render: Renderer) -> None:
+    values = ["networkPolicy.extraEgress.weight-sync[0].ports[0].port=443"]
+    policies = {p["metadata"]["name"]: p for p in by_kind(render([], values), "NetworkPolicy")}
+    # sidecar mode: weight-sync runs in the engine pods, so the engine pods' egress gets the rule.
+    assert {"ports": [{"port": 443}]} in policies["miles-engine-egress"]["spec"]["egress"]
 
 
 def test_rbac_is_least_privilege(render: Renderer) -> None:
@@ -138,6 +189,10 @@ def test_rbac_is_least_privilege(render: Renderer) -> None:
         ("sessionServer.settings.Bad-Key=1", "invalid propertyName 'Bad-Key'"),
         ("monitoring.prometheusRules.minPrefixHitRate=1.5", "/monitoring/prometheusRules/minPrefixHitRate"),
         ("controllr.enabled=true", "controllr"),
+        ("jobTemplates.weightSync.storeUrl=bucket/x", "/jobTemplates/weightSync/storeUrl"),
+        ("jobTemplates.weightSync.origin.nodePool=gpu", "/jobTemplates/weightSync/origin/nodePool"),
+        ("networkPolicy.extraEgress.trainr[0].ports[0].port=1", "trainr"),
+        ("monitoring.podMonitor.interval=often", "/monitoring/podMonitor/interval"),
     ],
 )
 def test_values_outside_the_schema_fail_with_the_path(render: Renderer, set_value: str, message: str) -> None:
@@ -148,14 +203,17 @@ def test_values_outside_the_schema_fail_with_the_path(render: Renderer, set_valu
 
 def test_template_guards_fail_with_a_readable_reason(render: Renderer) -> None:
     with pytest.raises(RuntimeError, match=r"redis\.externalUrl is required"):
-        render([], ["redis.enabled=false"])
+        render([], ["redis.enabled=false", "networkPolicy.enabled=false"])
     with pytest.raises(RuntimeError, match="at least 32 characters"):
         render([], ["auth.sessionOperatorToken=short"])
+    with pytest.raises(RuntimeError, match=r"networkPolicy\.nodeCidrs is required"):
+        render([], ["jobTemplates.weightSync.mode=daemonset"])
 
 
-def test_tokens_are_generated_never_defaulted(render: Renderer) -> None:
-    first = by_kind(render([]), "Secret")[0]["stringData"]
-    second = by_kind(render([]), "Secret")[0]["stringData"]
+def test_tokens_are_generated_never_defaulted(render: Renderer, chart_dir: Path) -> None:
+    # Two uncached renders: each install without tokens gets its own random ones.
+    first = by_kind(render_chart(chart_dir), "Secret")[0]["stringData"]
+    second = by_kind(render_chart(chart_dir), "Secret")[0]["stringData"]
     assert len(first["controller-api-tokens"]) == 48
     assert first["controller-api-tokens"] != second["controller-api-tokens"]
     given = by_kind(render(["ci-values.yaml"]), "Secret")[0]["stringData"]
@@ -181,6 +239,8 @@ def test_values_mirror_the_service_settings_class(chart_dir: Path, component: st
     assert settings_class.model_config["env_prefix"] == f"MILES_{values['envPrefix']}_"
     assert set(values["settings"]) <= fields, f"values keys that {class_name} lacks"
     assert {entry["field"] for entry in values["secretEnv"]} <= fields
+    assert set(values.get("links", {})) | set(values.get("fullnameSettings", {})) <= fields
+    assert set(values.get("portSettings", {}).values()) <= fields
     if values["usesRedis"]:
         assert "redis_url" in fields
     if "metrics" in values["ports"]:
@@ -196,3 +256,68 @@ def test_values_settings_blocks_are_in_sync_with_the_settings_classes(chart_dir:
     script = chart_dir.parents[1] / "scripts" / "sync_chart_settings.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Every settings class a chart container's MILES_<PREFIX>_* environment may target, by prefix.
+SETTINGS_BY_PREFIX = {
+    "CONTROLLER": "miles.controller.settings:ControllerSettings",
+    "SESSION": "miles.session.settings:SessionSettings",
+    "ROUTER": "miles.router.settings:RouterSettings",
+    "BUFFER": "miles.buffer.settings:BufferSettings",
+    "SANDBOX": "miles.sandbox.settings:SandboxSettings",
+    "ENGINE": "miles.engine.settings:EngineSettings",
+    "ROLLOUT": "miles.rollout.settings:RolloutSettings",
+    "TRAINER": "miles.trainer.settings:TrainerSettings",
+    "WEIGHTSYNC": "miles.weightsync.settings:WeightsyncSettings",
+}
+
+
+def _settings_class(prefix: str) -> Any:
+    module_name, class_name = SETTINGS_BY_PREFIX[prefix].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+@pytest.mark.parametrize("value_set", ["default", "ci", "gpu"])
+def test_every_miles_env_var_of_every_container_is_a_settings_field(all_objects: Objects, value_set: str) -> None:
+    """Shared and per-job containers: each MILES_<PREFIX>_<FIELD> names a field of that service's settings class
+    (or its CONFIG_FILE), so no setting is silently ignored; the JSON-valued ones parse as JSON."""
+    checked = set()
+    for workload in all_objects(value_set):
+        if workload["kind"] not in ("Deployment", "StatefulSet", "DaemonSet"):
+            continue
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            for env in container.get("env", []):
+                if not env["name"].startswith("MILES_"):
+                    continue
+                prefix = next((p for p in SETTINGS_BY_PREFIX if env["name"].startswith(f"MILES_{p}_")), None)
+                where = f"{workload['metadata']['name']}/{container['name']}: {env['name']}"
+                assert prefix is not None, f"{where} has no known settings prefix"
+                settings_class = _settings_class(prefix)
+                assert settings_class.model_config["env_prefix"] == f"MILES_{prefix}_"
+                field = env["name"].removeprefix(f"MILES_{prefix}_").lower()
+                assert field == "config_file" or field in settings_class.model_fields, where
+                checked.add((prefix, field))
+    assert {prefix for prefix, _ in checked} >= set(SETTINGS_BY_PREFIX) - ({"ENGINE"} if value_set != "ci" else set())
+
+
+def test_controller_may_create_exactly_the_kinds_of_the_per_job_objects(render: Renderer, job_objects: Objects) -> None:
+    """The controller's Role covers the per-job objects it instantiates (incl. the spec ConfigMap) and nothing
+    more; besides, it only reads pods (job health)."""
+    plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "DaemonSet": "daemonsets",
+              "Service": "services", "ConfigMap": "configmaps", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+              "NetworkPolicy": "networkpolicies"}  # fmt: skip
+    values = ["jobTemplates.weightSync.mode=daemonset", "networkPolicy.nodeCidrs[0]=10.0.0.0/16",
+              "jobTemplates.rolloutWorker.autoscaling.enabled=true"]  # fmt: skip
+    objects = [*job_objects("default", values), {"apiVersion": "v1", "kind": "ConfigMap"}]
+    needed = {(obj["apiVersion"].rpartition("/")[0], plural[obj["kind"]]) for obj in objects}
+    (role,) = [r for r in by_kind(render([]), "Role") if r["metadata"]["name"] == "miles-controller"]
+    writable = {
+        (group, resource)
+        for rule in role["rules"]
+        if "create" in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert writable == needed
+    read_only = [rule for rule in role["rules"] if "create" not in rule["verbs"]]
+    assert read_only == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]

@@ -1,8 +1,12 @@
-{{/* The engine pool of one job: SGLang pods (or the CPU reference engine) on the rollout pool. */}}
+{{/*
+The engine pool of one job: SGLang pods on the rollout pool (or the CPU reference engine on the cpu pool), with
+a weight-sync sidecar in sidecar mode, and the headless Service whose EndpointSlices the router discovers.
+*/}}
 {{- define "miles.job.engineContainer" -}}
 {{- $e := .Values.jobTemplates.engine -}}
-{{- if eq $e.kind "sglang" }}
+{{- $daemonset := eq .Values.jobTemplates.weightSync.mode "daemonset" -}}
 - name: engine
+{{- if eq $e.kind "sglang" }}
   image: {{ printf "%s:%s" $e.sglang.image.repository $e.sglang.image.tag }}
   imagePullPolicy: {{ .Values.global.imagePullPolicy }}
   command: ["python3", "-m", "sglang.launch_server"]
@@ -24,6 +28,9 @@
   env:
     - name: HOME
       value: /tmp
+    {{- with $e.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   resources:
     requests:
       {{- toYaml $e.sglang.resources.requests | nindent 6 }}
@@ -32,15 +39,26 @@
       {{- toYaml $e.sglang.resources.limits | nindent 6 }}
       nvidia.com/gpu: "${ENGINE_GPUS}"
 {{- else }}
-- name: engine
   image: {{ include "miles.image" (dict "root" . "image" $e.cpu.image) }}
   imagePullPolicy: {{ .Values.global.imagePullPolicy }}
-  args: ["--model-path", "${MODEL_PATH}"]
+  args:
+    - --model-path
+    - "${MODEL_PATH}"
+    {{- range $e.cpu.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
   env:
     - name: MILES_ENGINE_HOST
       value: "0.0.0.0"
     - name: MILES_ENGINE_PORT
       value: {{ $e.port | quote }}
+    {{- if .Values.tracing.otlpEndpoint }}
+    - name: OTEL_EXPORTER_OTLP_ENDPOINT
+      value: {{ .Values.tracing.otlpEndpoint | quote }}
+    {{- end }}
+    {{- with $e.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   resources:
     {{- toYaml $e.cpu.resources | nindent 4 }}
 {{- end }}
@@ -64,60 +82,35 @@
     periodSeconds: 5
     timeoutSeconds: 3
   volumeMounts:
-    - {name: tmp, mountPath: /tmp}
+    {{- include "miles.job.commonMounts" . | nindent 4 }}
     - {name: shm, mountPath: /dev/shm}
-{{- end -}}
-
-{{- define "miles.job.weightSyncContainer" -}}
-{{- $w := .Values.jobTemplates.weightSync -}}
-- name: weight-sync
-  image: {{ include "miles.image" (dict "root" . "image" $w.image) }}
-  imagePullPolicy: {{ .Values.global.imagePullPolicy }}
-  env:
-    {{- include "miles.job.commonEnv" . | nindent 4 }}
-    - name: MILES_WEIGHTSYNC_HOST
-      value: "0.0.0.0"
-    - name: MILES_WEIGHTSYNC_PORT
-      value: {{ $w.ports.grpc | quote }}
-    - name: MILES_WEIGHTSYNC_METRICS_PORT
-      value: {{ $w.ports.metrics | quote }}
-    - name: MILES_WEIGHTSYNC_STORE_DIR
-      value: /var/lib/miles/weights
-    {{- if eq $w.mode "sidecar" }}
-    - name: MILES_WEIGHTSYNC_ENGINE_URLS
-      value: {{ printf "[\"http://127.0.0.1:%v\"]" .Values.jobTemplates.engine.port | quote }}
+    {{- if not $daemonset }}
+    # The disk transport writes checkpoints here; the engine loads them from the same path.
+    - {name: weights, mountPath: /var/lib/miles/weights, readOnly: true}
     {{- end }}
-  ports:
-    - {name: grpc, containerPort: {{ $w.ports.grpc }}, protocol: TCP}
-    - {name: metrics, containerPort: {{ $w.ports.metrics }}, protocol: TCP}
-  securityContext:
-    {{- include "miles.containerSecurityContext" . | nindent 4 }}
-  livenessProbe:
-    httpGet: {path: /healthz, port: metrics}
-    periodSeconds: 10
-  readinessProbe:
-    httpGet: {path: /readyz, port: metrics}
-    periodSeconds: 5
-  resources:
-    {{- toYaml $w.resources | nindent 4 }}
-  volumeMounts:
-    - {name: weights, mountPath: /var/lib/miles/weights}
-    - {name: job-spec, mountPath: /etc/miles/job, readOnly: true}
 {{- end -}}
 
 {{- define "miles.job.engineDeployment" -}}
 {{- $ctx := dict "root" . "component" "engine" -}}
+{{- $sglang := eq .Values.jobTemplates.engine.kind "sglang" -}}
+{{- $daemonset := eq .Values.jobTemplates.weightSync.mode "daemonset" -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
   name: {{ include "miles.job.name" $ctx }}
   labels:
     {{- include "miles.job.labels" $ctx | nindent 4 }}
+  annotations:
+    # The engine implementation of these templates (jobTemplates.engine.kind), for the controller to check a job's
+    # resources.engines.kind against (job_templates.engine_kind_of).
+    miles.dev/engine-kind: {{ .Values.jobTemplates.engine.kind }}
 spec:
   replicas: ${ENGINE_REPLICAS}
+  revisionHistoryLimit: 3
   selector:
     matchLabels:
       {{- include "miles.job.selectorLabels" $ctx | nindent 6 }}
+  # One engine at a time is replaced, never added beside: GPUs are the scarce resource.
   strategy:
     type: RollingUpdate
     rollingUpdate: {maxUnavailable: 1, maxSurge: 0}
@@ -126,24 +119,40 @@ spec:
       labels:
         {{- include "miles.job.labels" $ctx | nindent 8 }}
     spec:
-      automountServiceAccountToken: false
-      securityContext:
-        {{- include "miles.podSecurityContext" . | nindent 8 }}
-      {{- include "miles.nodePlacement" (dict "root" . "pool" (ternary "rollout" "cpu" (eq .Values.jobTemplates.engine.kind "sglang"))) | nindent 6 }}
-      terminationGracePeriodSeconds: 60
+      {{- include "miles.job.podCommon" . | nindent 6 }}
+      {{- if $daemonset }}
+      # daemonset mode: the node's weight-sync daemon loads this engine at http://<node IP>:<port>.
+      hostNetwork: true
+      dnsPolicy: ClusterFirstWithHostNet
+      {{- end }}
+      {{- $placement := include "miles.nodePlacement" (dict "root" . "pool" (ternary "rollout" "cpu" $sglang)) | fromYaml }}
+      {{- if $daemonset }}
+      {{- $_ := set $placement "nodeSelector" (merge (dict "miles.dev/job" "${JOB_ID}") ($placement.nodeSelector | default dict)) }}
+      {{- end }}
+      {{- with $placement }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+      topologySpreadConstraints:
+        - maxSkew: 1
+          topologyKey: kubernetes.io/hostname
+          whenUnsatisfiable: ScheduleAnyway
+          labelSelector:
+            matchLabels:
+              {{- include "miles.job.selectorLabels" $ctx | nindent 14 }}
+      terminationGracePeriodSeconds: {{ .Values.jobTemplates.engine.terminationGracePeriodSeconds }}
       containers:
         {{- include "miles.job.engineContainer" . | nindent 8 }}
-        {{- if eq .Values.jobTemplates.weightSync.mode "sidecar" }}
-        {{- include "miles.job.weightSyncContainer" . | nindent 8 }}
+        {{- if not $daemonset }}
+        {{- include "miles.job.weightSyncContainer" (dict "root" . "role" "sidecar") | nindent 8 }}
         {{- end }}
       volumes:
-        - name: tmp
-          emptyDir: {sizeLimit: 20Gi}
+        {{- include "miles.job.commonVolumes" (dict "root" . "tmpSize" "20Gi") | nindent 8 }}
         - name: shm
           emptyDir: {medium: Memory, sizeLimit: {{ .Values.jobTemplates.engine.sglang.shmSize }}}
+        {{- if not $daemonset }}
         - name: weights
           emptyDir: {sizeLimit: {{ .Values.jobTemplates.weightSync.storageSize }}}
-        {{- include "miles.job.specVolume" . | nindent 8 }}
+        {{- end }}
 {{- end -}}
 
 {{- define "miles.job.engineService" -}}
@@ -163,33 +172,4 @@ spec:
     {{- include "miles.job.selectorLabels" $ctx | nindent 4 }}
   ports:
     - {name: http, port: {{ .Values.jobTemplates.engine.port }}, targetPort: http, protocol: TCP}
-{{- end -}}
-
-{{- define "miles.job.weightSyncDaemonSet" -}}
-{{- $ctx := dict "root" . "component" "weight-sync" -}}
-apiVersion: apps/v1
-kind: DaemonSet
-metadata:
-  name: {{ include "miles.job.name" $ctx }}
-  labels:
-    {{- include "miles.job.labels" $ctx | nindent 4 }}
-spec:
-  selector:
-    matchLabels:
-      {{- include "miles.job.selectorLabels" $ctx | nindent 6 }}
-  template:
-    metadata:
-      labels:
-        {{- include "miles.job.labels" $ctx | nindent 8 }}
-    spec:
-      automountServiceAccountToken: false
-      securityContext:
-        {{- include "miles.podSecurityContext" . | nindent 8 }}
-      {{- include "miles.nodePlacement" (dict "root" . "pool" "rollout") | nindent 6 }}
-      containers:
-        {{- include "miles.job.weightSyncContainer" . | nindent 8 }}
-      volumes:
-        - name: weights
-          emptyDir: {sizeLimit: {{ .Values.jobTemplates.weightSync.storageSize }}}
-        {{- include "miles.job.specVolume" . | nindent 8 }}
 {{- end -}}

@@ -1,4 +1,4 @@
-{{/* Labels of a per-job object: the component labels plus the job id placeholder. */}}
+{{/* Labels, names and shared pieces of per-job objects. ${JOB_ID} is filled by the controller. */}}
 {{- define "miles.job.labels" -}}
 {{ include "miles.labels" . }}
 miles.dev/job: ${JOB_ID}
@@ -9,34 +9,70 @@ miles.dev/job: ${JOB_ID}
 miles.dev/job: ${JOB_ID}
 {{- end -}}
 
-{{/* Name of a per-job object: <fullname>-${JOB_ID}-<component>. The controller keeps job ids short enough. */}}
+{{/* Name of a per-job object: <fullname>-${JOB_ID}-<component>. The controller checks the length per job. */}}
 {{- define "miles.job.name" -}}
 {{- printf "%s-${JOB_ID}-%s" (include "miles.fullname" .root) .component -}}
 {{- end -}}
 
-{{/* Env every per-job container gets: the job id and where the shared services are. */}}
-{{- define "miles.job.commonEnv" -}}
-- name: MILES_JOB_ID
+{{/* In-cluster address of a shared service: "http" -> http://<name>:<http port>, "grpc" -> <name>:<grpc port>. */}}
+{{- define "miles.job.sharedAddress" -}}
+{{- $c := index .root.Values .key -}}
+{{- $host := printf "%s-%s" (include "miles.fullname" .root) (.key | kebabcase) -}}
+{{- if eq .kind "grpc" -}}
+{{- printf "%s:%v" $host $c.ports.grpc -}}
+{{- else -}}
+{{- printf "http://%s:%v" $host (index $c.ports .kind) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* gRPC address of the job's weight-sync origin (the trainer's publish target, every other daemon's origin). */}}
+{{- define "miles.job.originAddress" -}}
+{{- printf "%s:%v" (include "miles.job.name" (dict "root" . "component" "weight-sync-origin")) .Values.jobTemplates.weightSync.ports.grpc -}}
+{{- end -}}
+
+{{/* Env of every per-job container of service <prefix>: its settings file from the spec ConfigMap, tracing. */}}
+{{- define "miles.job.baseEnv" -}}
+- name: MILES_{{ .prefix }}_CONFIG_FILE
+  value: /etc/miles/job/{{ .file }}
+- name: MILES_{{ .prefix }}_JOB_ID
   value: "${JOB_ID}"
-- name: MILES_SESSION_SERVER_URL
-  value: {{ printf "http://%s-session-server:%v" (include "miles.fullname" .) .Values.sessionServer.ports.http | quote }}
-- name: MILES_ROUTER_URL
-  value: {{ printf "http://%s-rollout-router:%v" (include "miles.fullname" .) .Values.rolloutRouter.ports.http | quote }}
-- name: MILES_BUFFER_ADDRESS
-  value: {{ printf "%s-buffer:%v" (include "miles.fullname" .) .Values.buffer.ports.grpc | quote }}
-- name: MILES_SANDBOX_ADDRESS
-  value: {{ printf "%s-sandbox-gateway:%v" (include "miles.fullname" .) .Values.sandboxGateway.ports.grpc | quote }}
-- name: MILES_JOB_SPEC_PATH
-  value: /etc/miles/job/spec.json
-{{- if .Values.tracing.otlpEndpoint }}
+- name: MILES_{{ .prefix }}_HOST
+  value: "0.0.0.0"
+{{- if .root.Values.tracing.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
-  value: {{ .Values.tracing.otlpEndpoint | quote }}
+  value: {{ .root.Values.tracing.otlpEndpoint | quote }}
 {{- end }}
 {{- end -}}
 
-{{/* The job spec volume (the ConfigMap the controller creates per job and owns everything else with). */}}
-{{- define "miles.job.specVolume" -}}
+{{/* Volumes every per-job pod has: the job's spec ConfigMap, /tmp, and the models volume when configured. */}}
+{{- define "miles.job.commonVolumes" -}}
 - name: job-spec
   configMap:
-    name: {{ include "miles.job.name" (dict "root" . "component" "spec") }}
+    name: {{ include "miles.job.name" (dict "root" .root "component" "spec") }}
+- name: tmp
+  emptyDir: {sizeLimit: {{ .tmpSize | default "5Gi" }}}
+{{- with .root.Values.jobTemplates.modelVolume }}
+- name: models
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "miles.job.commonMounts" -}}
+- {name: job-spec, mountPath: /etc/miles/job, readOnly: true}
+- {name: tmp, mountPath: /tmp}
+{{- if .Values.jobTemplates.modelVolume }}
+- {name: models, mountPath: {{ .Values.jobTemplates.modelMountPath }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level fields every per-job pod shares. */}}
+{{- define "miles.job.podCommon" -}}
+automountServiceAccountToken: false
+enableServiceLinks: false
+securityContext:
+  {{- include "miles.podSecurityContext" . | nindent 2 }}
+{{- with .Values.global.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}

@@ -1,35 +1,34 @@
 {{/*
-Per-job ingress: the job's engines, weight-sync and trainer accept the per-job flows only from pods of the same
-job (the platform-wide flows, e.g. router -> engine, come from the shared policies), so two jobs never reach
-each other's pods. One policy per destination; in sidecar mode weight-sync runs inside the engine pods.
+Per-job ingress: each per-job pod component (engine, weight-sync daemons in daemonset mode, weight-sync origin,
+trainer) accepts the per-job flows only from pods of the same job (platform-wide flows, e.g. router -> engine,
+come from the shared policies), so two jobs never reach each other's pods.
 */}}
 {{- define "miles.job.networkPolicy" -}}
 {{- $flows := include "miles.flows" . | fromYamlArray -}}
-{{- range $target := list "engine" "weight-sync" "trainer" }}
-{{- $podComponent := include "miles.podComponent" (dict "root" $ "component" $target) }}
+{{- $targets := list "engine" "weight-sync-origin" "trainer" -}}
+{{- if eq .Values.jobTemplates.weightSync.mode "daemonset" }}{{ $targets = append $targets "weight-sync" }}{{ end -}}
+{{- range $target := $targets }}
+{{- $rules := list }}
+{{- range $flow := $flows }}
+{{- if and $flow.perJob (eq (include "miles.podComponent" (dict "root" $ "component" $flow.to)) $target) }}
+{{- $fromPod := include "miles.podComponent" (dict "root" $ "component" $flow.from) }}
+{{- $selector := include "miles.job.selectorLabels" (dict "root" $ "component" $fromPod) | fromYaml }}
+{{- $rules = append $rules (merge (dict "from" (list (dict "podSelector" (dict "matchLabels" $selector)))) (include "miles.flowPorts" $flow | fromYaml)) }}
+{{- end }}
+{{- end }}
 ---
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:
   name: {{ include "miles.job.name" (dict "root" $ "component" $target) }}-ingress
   labels:
-    {{- include "miles.job.labels" (dict "root" $ "component" $podComponent) | nindent 4 }}
+    {{- include "miles.job.labels" (dict "root" $ "component" $target) | nindent 4 }}
 spec:
   podSelector:
     matchLabels:
-      {{- include "miles.job.selectorLabels" (dict "root" $ "component" $podComponent) | nindent 6 }}
+      {{- include "miles.job.selectorLabels" (dict "root" $ "component" $target) | nindent 6 }}
   policyTypes: [Ingress]
   ingress:
-    {{- range $flow := $flows }}
-    {{- $fromPod := include "miles.podComponent" (dict "root" $ "component" $flow.from) }}
-    {{- $localhost := and (ne $flow.from $flow.to) (eq $fromPod $podComponent) }}
-    {{- if and $flow.perJob (eq $flow.to $target) (not $localhost) }}
-    - from:
-        - podSelector:
-            matchLabels:
-              {{- include "miles.job.selectorLabels" (dict "root" $ "component" $fromPod) | nindent 14 }}
-      ports: [{protocol: TCP, port: {{ $flow.port }}}]
-    {{- end }}
-    {{- end }}
+    {{- toYaml ($rules | uniq) | nindent 4 }}
 {{- end }}
 {{- end -}}

@@ -1,16 +1,35 @@
-{{/* The trainer of one job: a StatefulSet (stable rank identities) with a headless Service and PVCs. */}}
+{{/*
+The trainer of one job: a StatefulSet (one rank per pod; the pod index is the rank, pod 0 is the rendezvous
+master and serves the API) with a headless Service and a checkpoint PVC per rank, on the trainer pool.
+*/}}
+
+{{/*
+Probe command: rank 0 answers /healthz and /readyz on its metrics port; ranks > 0 serve no HTTP in this build (they
+follow rank 0's collectives), so their probe passes while the container runs and rank 0's covers the job.
+*/}}
+{{- define "miles.job.trainerProbe" -}}
+exec:
+  command:
+    - python3
+    - -c
+    - {{ printf "import os,sys,urllib.request; os.environ['MILES_TRAINER_RANK'] == '0' and urllib.request.urlopen('http://127.0.0.1:%v%s', timeout=3)" .port .path | quote }}
+{{- end -}}
+
 {{- define "miles.job.trainerStatefulSet" -}}
 {{- $ctx := dict "root" . "component" "trainer" -}}
 {{- $t := .Values.jobTemplates.trainer -}}
+{{- $name := include "miles.job.name" $ctx -}}
 apiVersion: apps/v1
 kind: StatefulSet
 metadata:
-  name: {{ include "miles.job.name" $ctx }}
+  name: {{ $name }}
   labels:
     {{- include "miles.job.labels" $ctx | nindent 4 }}
 spec:
-  serviceName: {{ include "miles.job.name" $ctx }}
+  serviceName: {{ $name }}
   replicas: ${TRAINER_REPLICAS}
+  revisionHistoryLimit: 3
+  # Ranks start together: rank 0 waits for the others at the rendezvous.
   podManagementPolicy: Parallel
   selector:
     matchLabels:
@@ -20,23 +39,23 @@ spec:
       labels:
         {{- include "miles.job.labels" $ctx | nindent 8 }}
     spec:
-      automountServiceAccountToken: false
-      securityContext:
-        {{- include "miles.podSecurityContext" . | nindent 8 }}
+      {{- include "miles.job.podCommon" . | nindent 6 }}
       {{- include "miles.nodePlacement" (dict "root" . "pool" "trainer") | nindent 6 }}
-      terminationGracePeriodSeconds: 120
+      terminationGracePeriodSeconds: {{ $t.terminationGracePeriodSeconds }}
       containers:
         - name: trainer
           image: {{ include "miles.image" (dict "root" . "image" $t.image) }}
           imagePullPolicy: {{ .Values.global.imagePullPolicy }}
           env:
-            {{- include "miles.job.commonEnv" . | nindent 12 }}
-            - name: MILES_TRAINER_HOST
-              value: "0.0.0.0"
+            {{- include "miles.job.baseEnv" (dict "root" . "prefix" "TRAINER" "file" "trainer.json") | nindent 12 }}
             - name: MILES_TRAINER_PORT
               value: {{ $t.ports.grpc | quote }}
             - name: MILES_TRAINER_METRICS_PORT
               value: {{ $t.ports.metrics | quote }}
+            - name: MILES_TRAINER_BUFFER_ADDRESS
+              value: {{ include "miles.job.sharedAddress" (dict "root" . "key" "buffer" "kind" "grpc") | quote }}
+            - name: MILES_TRAINER_MODEL_PATH
+              value: "${MODEL_PATH}"
             - name: MILES_TRAINER_CHECKPOINT_DIR
               value: /var/lib/miles/checkpoints
             - name: MILES_TRAINER_RANK
@@ -46,25 +65,32 @@ spec:
             - name: MILES_TRAINER_WORLD_SIZE
               value: "${TRAINER_REPLICAS}"
             - name: MILES_TRAINER_MASTER_ADDR
-              value: {{ printf "%s-0.%s" (include "miles.job.name" $ctx) (include "miles.job.name" $ctx) | quote }}
-            - name: MILES_TRAINER_WEIGHTSYNC_ADDRESS
-              value: {{ printf "%s:%v" (include "miles.job.name" (dict "root" . "component" "weight-sync")) .Values.jobTemplates.weightSync.ports.grpc | quote }}
+              value: {{ printf "%s-0.%s" $name $name | quote }}
+            - name: MILES_TRAINER_MASTER_PORT
+              value: {{ $t.masterPort | quote }}
+            {{- with $t.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
           ports:
             - {name: grpc, containerPort: {{ $t.ports.grpc }}, protocol: TCP}
             - {name: metrics, containerPort: {{ $t.ports.metrics }}, protocol: TCP}
-            - {name: dist, containerPort: 29500, protocol: TCP}
+            - {name: dist, containerPort: {{ $t.masterPort }}, protocol: TCP}
           securityContext:
             {{- include "miles.containerSecurityContext" . | nindent 12 }}
           startupProbe:
-            httpGet: {path: /healthz, port: metrics}
+            {{- include "miles.job.trainerProbe" (dict "port" $t.ports.metrics "path" "/healthz") | nindent 12 }}
             periodSeconds: 10
-            failureThreshold: 60
+            timeoutSeconds: 5
+            failureThreshold: 90
           livenessProbe:
-            httpGet: {path: /healthz, port: metrics}
+            {{- include "miles.job.trainerProbe" (dict "port" $t.ports.metrics "path" "/healthz") | nindent 12 }}
             periodSeconds: 15
+            timeoutSeconds: 5
+            failureThreshold: 4
           readinessProbe:
-            httpGet: {path: /readyz, port: metrics}
+            {{- include "miles.job.trainerProbe" (dict "port" $t.ports.metrics "path" "/readyz") | nindent 12 }}
             periodSeconds: 10
+            timeoutSeconds: 5
           resources:
             requests:
               {{- toYaml $t.resources.requests | nindent 14 }}
@@ -73,19 +99,18 @@ spec:
               {{- toYaml $t.resources.limits | nindent 14 }}
               nvidia.com/gpu: "${TRAINER_GPUS}"
           volumeMounts:
+            {{- include "miles.job.commonMounts" . | nindent 12 }}
             - {name: checkpoints, mountPath: /var/lib/miles/checkpoints}
-            - {name: tmp, mountPath: /tmp}
             - {name: shm, mountPath: /dev/shm}
-            - {name: job-spec, mountPath: /etc/miles/job, readOnly: true}
       volumes:
-        - name: tmp
-          emptyDir: {sizeLimit: 20Gi}
+        {{- include "miles.job.commonVolumes" (dict "root" . "tmpSize" "20Gi") | nindent 8 }}
         - name: shm
           emptyDir: {medium: Memory, sizeLimit: {{ $t.shmSize }}}
-        {{- include "miles.job.specVolume" . | nindent 8 }}
   volumeClaimTemplates:
     - metadata:
         name: checkpoints
+        labels:
+          {{- include "miles.job.labels" $ctx | nindent 10 }}
       spec:
         accessModes: ["ReadWriteOnce"]
         {{- with $t.checkpoints.storageClassName }}
@@ -96,6 +121,7 @@ spec:
             storage: {{ $t.checkpoints.size }}
 {{- end -}}
 
+{{/* Headless: stable DNS per rank (<name>-0.<name> is the rendezvous master); the controller's gRPC target. */}}
 {{- define "miles.job.trainerService" -}}
 {{- $ctx := dict "root" . "component" "trainer" -}}
 apiVersion: v1
@@ -111,81 +137,5 @@ spec:
     {{- include "miles.job.selectorLabels" $ctx | nindent 4 }}
   ports:
     - {name: grpc, port: {{ .Values.jobTemplates.trainer.ports.grpc }}, targetPort: grpc, protocol: TCP}
-    - {name: dist, port: 29500, targetPort: dist, protocol: TCP}
-{{- end -}}
-
-{{/* In-cluster address of the job's weight-sync (a Service over the sidecars or the DaemonSet pods). */}}
-{{- define "miles.job.weightSyncService" -}}
-{{- $ctx := dict "root" . "component" "weight-sync" -}}
-{{- $selectComponent := ternary "engine" "weight-sync" (eq .Values.jobTemplates.weightSync.mode "sidecar") -}}
-apiVersion: v1
-kind: Service
-metadata:
-  name: {{ include "miles.job.name" $ctx }}
-  labels:
-    {{- include "miles.job.labels" $ctx | nindent 4 }}
-spec:
-  selector:
-    {{- include "miles.job.selectorLabels" (dict "root" . "component" $selectComponent) | nindent 4 }}
-  ports:
-    - {name: grpc, port: {{ .Values.jobTemplates.weightSync.ports.grpc }}, targetPort: grpc, protocol: TCP, appProtocol: grpc}
-{{- end -}}
-
-{{- define "miles.job.rolloutWorkerDeployment" -}}
-{{- $ctx := dict "root" . "component" "rollout-worker" -}}
-{{- $r := .Values.jobTemplates.rolloutWorker -}}
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: {{ include "miles.job.name" $ctx }}
-  labels:
-    {{- include "miles.job.labels" $ctx | nindent 4 }}
-spec:
-  replicas: ${ROLLOUT_WORKER_REPLICAS}
-  selector:
-    matchLabels:
-      {{- include "miles.job.selectorLabels" $ctx | nindent 6 }}
-  template:
-    metadata:
-      labels:
-        {{- include "miles.job.labels" $ctx | nindent 8 }}
-    spec:
-      automountServiceAccountToken: false
-      securityContext:
-        {{- include "miles.podSecurityContext" . | nindent 8 }}
-      {{- include "miles.nodePlacement" (dict "root" . "pool" $r.nodePool) | nindent 6 }}
-      containers:
-        - name: rollout-worker
-          image: {{ include "miles.image" (dict "root" . "image" $r.image) }}
-          imagePullPolicy: {{ .Values.global.imagePullPolicy }}
-          env:
-            {{- include "miles.job.commonEnv" . | nindent 12 }}
-            - name: MILES_ROLLOUT_HOST
-              value: "0.0.0.0"
-            - name: MILES_ROLLOUT_PORT
-              value: {{ $r.ports.http | quote }}
-            - name: MILES_ROLLOUT_REDIS_URL
-              valueFrom:
-                secretKeyRef:
-                  name: {{ include "miles.secretName" . }}
-                  key: redis-url
-          ports:
-            - {name: http, containerPort: {{ $r.ports.http }}, protocol: TCP}
-          securityContext:
-            {{- include "miles.containerSecurityContext" . | nindent 12 }}
-          livenessProbe:
-            httpGet: {path: /healthz, port: http}
-            periodSeconds: 10
-          readinessProbe:
-            httpGet: {path: /readyz, port: http}
-            periodSeconds: 5
-          resources:
-            {{- toYaml $r.resources | nindent 12 }}
-          volumeMounts:
-            - {name: tmp, mountPath: /tmp}
-            - {name: job-spec, mountPath: /etc/miles/job, readOnly: true}
-      volumes:
-        - name: tmp
-          emptyDir: {sizeLimit: 5Gi}
-        {{- include "miles.job.specVolume" . | nindent 8 }}
+    - {name: dist, port: {{ .Values.jobTemplates.trainer.masterPort }}, targetPort: dist, protocol: TCP}
 {{- end -}}

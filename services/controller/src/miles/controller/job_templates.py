@@ -1,16 +1,56 @@
 """Instantiate the chart's per-job templates for one job (the Kubernetes backend's object factory).
 
-The Helm chart renders every per-job object (engine pool, weight-sync, rollout workers, trainer, per-job
-NetworkPolicies) with the cluster's values filled in and `${PLACEHOLDERS}` left for the job, and stores them in
-the ConfigMap `<release>-job-templates`. This module fills the placeholders of one job and parses the objects.
-It knows nothing of Kubernetes clients: the backend creates what it returns. Limits: plain text substitution,
-so every placeholder value is validated (job ids are DNS labels, counts are small integers, the model path is a
-single line without quotes) before it reaches the YAML.
+The Helm chart renders every per-job object with the cluster's values filled in and `${PLACEHOLDERS}` left for
+the job, and stores them in the ConfigMap `<fullname>-job-templates` (one YAML text per key). This module fills the
+placeholders of one job, builds the job's spec ConfigMap and sets owner references. It knows nothing of Kubernetes
+clients: the backend creates what it returns, in this order:
+
+1. `job_spec_config_map(templates, params, files)`: the ConfigMap `<fullname>-<job>-spec`. Create it first.
+2. `instantiate_job_templates(templates, params)`: every other object (engine pool, weight-sync, rollout workers,
+   trainer, per-job NetworkPolicies); pass them through `owned_by(objects, spec_config_map_created)` so that
+   deleting the spec ConfigMap deletes the job.
+
+**Placeholders** (`PLACEHOLDERS`), each filled from a `JobTemplateParams` field:
+
+- `${JOB_ID}` (`job_id`): a DNS label of at most 20 characters. Object names `<fullname>-<job>-<component>`, the
+  label `miles.dev/job`, the router pool of the job's engines, and every per-job process's `job_id`.
+- `${MODEL_PATH}` (`model_path`): the HF checkpoint directory (under the chart's `jobTemplates.modelMountPath`),
+  read by the engines, the trainer and weight-sync (`model_config_dir`); SGLang also accepts a Hub id.
+- `${ENGINE_REPLICAS}` (`engine_replicas`): engine pods, i.e. this job's share of the rollout pool.
+- `${ENGINE_GPUS}` (`engine_gpus`): `nvidia.com/gpu` per SGLang pod. `${TP_SIZE}` (`tp_size`): `--tp-size`.
+- `${ROLLOUT_WORKER_REPLICAS}` (`rollout_worker_replicas`): rollout-worker pods (the HPA's minimum when the chart
+  autoscales them); `${ROLLOUT_WORKER_MAX_REPLICAS}` (`rollout_worker_max_replicas`, 0 = the replicas): its maximum.
+- `${TRAINER_REPLICAS}` (`trainer_replicas`): trainer ranks = StatefulSet pods (`MILES_TRAINER_WORLD_SIZE`).
+- `${TRAINER_GPUS}` (`trainer_gpus`): `nvidia.com/gpu` per trainer pod.
+
+**The spec ConfigMap** `<fullname>-<job>-spec` is mounted read-only at `/etc/miles/job` in every per-job pod. Keys
+(all required, `{}` when a process needs nothing from the spec):
+
+- `spec.json`: the job spec as submitted (for people and tools; no process reads it);
+- `trainer.json`: `TrainerSettings` fields (`train`, `backend`, `publish` ...), via `MILES_TRAINER_CONFIG_FILE`;
+- `rollout.json`: `RolloutSettings` fields, at least `{"rollout": {...}}`, via `MILES_ROLLOUT_CONFIG_FILE`;
+- `weightsync.json`: `WeightsyncSettings` fields (`transport`, `pause_mode`, `max_engines_updating`,
+  `snapshot_interval` ...), via `MILES_WEIGHTSYNC_CONFIG_FILE`, read by the origin and every daemon.
+
+A JSON file ranks below the environment (`miles.common.settings`), so the fields the templates set by env win and
+must not be put in the files: host and ports, `job_id`, addresses of shared services (buffer, session server,
+sandbox, Redis, router), the operator token, `model_path`, `checkpoint_dir`, trainer `rank` / `world_size` /
+`master_addr` / `master_port`, and weight-sync `router_url`, `pool`, `origin`, `peers_dns`, `engine_urls`,
+`store_dir`, `store_url`, `work_dir`, `model_config_dir`. `JobAddresses` names the per-job endpoints (e.g. the
+weight-sync origin, the trainer's publish target) for what the controller writes into the files or dials itself.
+The chart decides the engine implementation for the whole release: `engine_kind_of(templates)` says which (`sglang`
+or `cpu`), so that a job asking for the other one can be refused with a clear message.
+
+Limits: plain text substitution, so every placeholder value is validated (job ids are DNS labels, counts are small
+integers, the model path is a single line without quotes) before it reaches the YAML; object names are checked
+against Kubernetes' 63-character limit (52 for StatefulSets, whose pods carry a revision-hash label).
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +58,36 @@ import yaml
 
 from miles.common.errors import InvalidArgumentError
 
+SPEC_TEMPLATE_KEY = "spec-configmap.yaml"
+"""Key of the spec ConfigMap's skeleton in the templates ConfigMap (not instantiated with the other objects)."""
+
+SPEC_FILES = ("spec.json", "trainer.json", "rollout.json", "weightsync.json")
+"""Keys of the job's spec ConfigMap, mounted at SPEC_MOUNT_PATH."""
+
+SPEC_MOUNT_PATH = "/etc/miles/job"
+
+ENGINE_TEMPLATE_KEY = "engine-deployment.yaml"
+ENGINE_KIND_ANNOTATION = "miles.dev/engine-kind"
+
+PLACEHOLDERS = (
+    "JOB_ID",
+    "MODEL_PATH",
+    "ENGINE_REPLICAS",
+    "ENGINE_GPUS",
+    "TP_SIZE",
+    "ROLLOUT_WORKER_REPLICAS",
+    "ROLLOUT_WORKER_MAX_REPLICAS",
+    "TRAINER_REPLICAS",
+    "TRAINER_GPUS",
+)
+"""Every placeholder the templates may use (see the module docstring for their meaning)."""
+
 _PLACEHOLDER_RE = re.compile(r"\$\{([A-Z_]+)\}")
 _JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?$")
 _MODEL_PATH_RE = re.compile(r"^[A-Za-z0-9_./:@+=-]{1,512}$")
+_MAX_COUNT = 4096
+_MAX_NAME_CHARS = 63
+_MAX_STATEFULSET_NAME_CHARS = 52
 
 
 @dataclass(frozen=True)
@@ -35,8 +102,11 @@ class JobTemplateParams:
     rollout_worker_replicas: int
     trainer_replicas: int
     trainer_gpus: int
+    rollout_worker_max_replicas: int = 0
+    """Upper bound of the rollout workers' HPA (when the chart enables it); 0 = rollout_worker_replicas."""
 
     def placeholders(self) -> dict[str, str]:
+        """Every placeholder's value; raises InvalidArgumentError naming the field when one is out of range."""
         if not _JOB_ID_RE.match(self.job_id):
             raise InvalidArgumentError(
                 f"job id {self.job_id!r} must be a DNS label of at most 20 characters (a-z, 0-9, '-')",
@@ -46,18 +116,20 @@ class JobTemplateParams:
             raise InvalidArgumentError(
                 f"model path {self.model_path!r} may only contain letters, digits and _./:@+=-", field="model_path"
             )
+        max_workers = self.rollout_worker_max_replicas or self.rollout_worker_replicas
         counts = {
             "ENGINE_REPLICAS": (self.engine_replicas, 0),
             "ENGINE_GPUS": (self.engine_gpus, 0),
             "TP_SIZE": (self.tp_size, 1),
             "ROLLOUT_WORKER_REPLICAS": (self.rollout_worker_replicas, 0),
+            "ROLLOUT_WORKER_MAX_REPLICAS": (max_workers, self.rollout_worker_replicas),
             "TRAINER_REPLICAS": (self.trainer_replicas, 0),
             "TRAINER_GPUS": (self.trainer_gpus, 0),
         }
         for name, (value, minimum) in counts.items():
-            if not minimum <= value <= 4096:
+            if not minimum <= value <= _MAX_COUNT:
                 raise InvalidArgumentError(
-                    f"{name.lower()} must be in [{minimum}, 4096], got {value}", field=name.lower()
+                    f"{name.lower()} must be in [{minimum}, {_MAX_COUNT}], got {value}", field=name.lower()
                 )
         return {
             "JOB_ID": self.job_id,
@@ -66,22 +138,127 @@ class JobTemplateParams:
         }
 
 
-def instantiate_job_templates(templates: dict[str, str], params: JobTemplateParams) -> list[dict[str, Any]]:
-    """Every object of every template (keys sorted, `---`-separated documents), placeholders filled.
+@dataclass(frozen=True)
+class JobAddresses:
+    """In-cluster endpoints of one job's objects, named as the chart names them (`<fullname>-<job>-<component>`)."""
 
-    Raises InvalidArgumentError when a template uses a placeholder this version does not know, so that a chart
-    newer than the controller fails loudly instead of creating objects with `${...}` in them.
+    engine_service: str
+    """Headless Service of the engines (its EndpointSlices carry `miles.dev/pool=<job>` for the router)."""
+    weightsync_origin: str
+    """host:port of the origin daemon: the trainer's publish target (PublishWeights) and the controller's
+    GetVersion / WatchVersions target."""
+    weightsync_peers_dns: str
+    """name:port of the headless Service over the daemons next to the engines (the origin's peers_dns)."""
+    trainer_rank0: str
+    """host:port of trainer rank 0's gRPC API (Status, Checkpoint, Stop, WatchEvents)."""
+
+    @classmethod
+    def of(cls, templates: Mapping[str, str], job_id: str) -> JobAddresses:
+        """The addresses of job `job_id` (ports as the chart's Services declare them)."""
+        prefix = f"{fullname_of(templates)}-{job_id}"
+        weightsync_port = _grpc_port(templates["weight-sync-origin-service.yaml"])
+        trainer_port = _grpc_port(templates["trainer-service.yaml"])
+        return cls(
+            engine_service=f"{prefix}-engine",
+            weightsync_origin=f"{prefix}-weight-sync-origin:{weightsync_port}",
+            weightsync_peers_dns=f"{prefix}-weight-sync-peers:{weightsync_port}",
+            trainer_rank0=f"{prefix}-trainer-0.{prefix}-trainer:{trainer_port}",
+        )
+
+
+def _grpc_port(service_template: str) -> int:
+    service = yaml.safe_load(service_template)
+    return next(int(port["port"]) for port in service["spec"]["ports"] if port["name"] == "grpc")
+
+
+def fullname_of(templates: Mapping[str, str]) -> str:
+    """The chart's object-name prefix, read from the spec ConfigMap skeleton (`<fullname>-${JOB_ID}-spec`)."""
+    skeleton = yaml.safe_load(templates[SPEC_TEMPLATE_KEY])
+    name: str = skeleton["metadata"]["name"]
+    return name.removesuffix("-${JOB_ID}-spec")
+
+
+def engine_kind_of(templates: Mapping[str, str]) -> str:
+    """The engine implementation the templates run (`sglang` or `cpu`, the chart's `jobTemplates.engine.kind`),
+    from the engine Deployment's `miles.dev/engine-kind` annotation; "" for a chart that does not say."""
+    engine = yaml.safe_load(templates.get(ENGINE_TEMPLATE_KEY, "")) or {}
+    kind: str = engine.get("metadata", {}).get("annotations", {}).get(ENGINE_KIND_ANNOTATION, "")
+    return kind
+
+
+def _fill(template_name: str, text: str, values: Mapping[str, str]) -> list[dict[str, Any]]:
+    def substitute(match: re.Match[str]) -> str:
+        key = match.group(1)
+        if key not in values:
+            raise InvalidArgumentError(f"template {template_name} uses unknown placeholder ${{{key}}}")
+        return values[key]
+
+    filled = _PLACEHOLDER_RE.sub(substitute, text)
+    return [document for document in yaml.safe_load_all(filled) if document]
+
+
+def _check_name(obj: Mapping[str, Any]) -> None:
+    name = str(obj["metadata"]["name"])
+    limit = _MAX_STATEFULSET_NAME_CHARS if obj["kind"] == "StatefulSet" else _MAX_NAME_CHARS
+    if len(name) > limit:
+        raise InvalidArgumentError(
+            f"{obj['kind']} name {name!r} is longer than {limit} characters: use a shorter job id", field="job_id"
+        )
+
+
+def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateParams) -> list[dict[str, Any]]:
+    """Every object of every template except the spec ConfigMap (keys sorted), placeholders filled.
+
+    Raises InvalidArgumentError when a template uses a placeholder this version does not know (so that a chart
+    newer than the controller fails loudly instead of creating objects with `${...}` in them), when a value is
+    out of range, or when a name would exceed Kubernetes' limits.
     """
     values = params.placeholders()
+    if "rollout-worker-hpa.yaml" in templates and params.rollout_worker_replicas < 1:
+        raise InvalidArgumentError(
+            "rollout_worker_replicas must be >= 1 when the chart autoscales rollout workers",
+            field="rollout_worker_replicas",
+        )
     objects: list[dict[str, Any]] = []
     for name in sorted(templates):
-
-        def substitute(match: re.Match[str], template_name: str = name) -> str:
-            key = match.group(1)
-            if key not in values:
-                raise InvalidArgumentError(f"template {template_name} uses unknown placeholder ${{{key}}}")
-            return values[key]
-
-        text = _PLACEHOLDER_RE.sub(substitute, templates[name])
-        objects += [document for document in yaml.safe_load_all(text) if document]
+        if name != SPEC_TEMPLATE_KEY:
+            objects += _fill(name, templates[name], values)
+    for obj in objects:
+        _check_name(obj)
     return objects
+
+
+def job_spec_config_map(
+    templates: Mapping[str, str], params: JobTemplateParams, files: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The job's spec ConfigMap: the chart's skeleton (name, labels) with `files` (every key of SPEC_FILES,
+    each a JSON object) as its data."""
+    missing = sorted(set(SPEC_FILES) - set(files))
+    unknown = sorted(set(files) - set(SPEC_FILES))
+    if missing or unknown:
+        raise InvalidArgumentError(
+            f"spec files must be exactly {list(SPEC_FILES)} (missing {missing}, unknown {unknown})", field="files"
+        )
+    (config_map,) = _fill(SPEC_TEMPLATE_KEY, templates[SPEC_TEMPLATE_KEY], params.placeholders())
+    config_map["data"] = {key: json.dumps(files[key], indent=2, sort_keys=True) for key in SPEC_FILES}
+    _check_name(config_map)
+    return config_map
+
+
+def owned_by(objects: list[dict[str, Any]], owner: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """`objects` with an ownerReference to `owner` (the created spec ConfigMap: needs metadata.uid), so that
+    Kubernetes' garbage collector deletes them with it. Returns new dicts; the input is not changed."""
+    uid = owner.get("metadata", {}).get("uid")
+    if not uid:
+        raise InvalidArgumentError("the owner has no metadata.uid: create it first", field="owner")
+    reference = {
+        "apiVersion": owner.get("apiVersion", "v1"),
+        "kind": owner.get("kind", "ConfigMap"),
+        "name": owner["metadata"]["name"],
+        "uid": uid,
+    }
+    owned = []
+    for obj in objects:
+        metadata = {**obj["metadata"], "ownerReferences": [*obj["metadata"].get("ownerReferences", []), reference]}
+        owned.append({**obj, "metadata": metadata})
+    return owned

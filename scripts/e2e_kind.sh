@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# `make e2e-kind`: the platform on a local kind cluster, end to end, on the CPU (not run in CI: it needs docker and
+# kind). Builds every service image, loads them into a one-node kind cluster, applies k8s/overlays/kind (the chart
+# inflated by kustomize with the CPU engine and the tiny model), waits for the shared services, submits a demo job
+# (examples/calculator_tool's rollout section on the tiny model) to the controller and waits until its trainer has
+# taken STEPS optimizer steps. The cluster is deleted at the end unless KEEP_CLUSTER=1.
+#
+# Environment: CLUSTER (kind cluster name, default miles-e2e), STEPS (default 2), TIMEOUT_S (per wait, default
+# 900), KEEP_CLUSTER=1 (leave the cluster running for a look around), SKIP_BUILD=1 (images already loaded).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+CLUSTER=${CLUSTER:-miles-e2e}
+STEPS=${STEPS:-2}
+TIMEOUT_S=${TIMEOUT_S:-900}
+TAG=0.1.0
+NAMESPACE=miles
+SERVICES=(controller session-server rollout-router buffer sandbox-gateway engine rollout-worker trainer weight-sync)
+PY=.venv/bin/python
+KUBECTL=$(command -v .tools/bin/kubectl || command -v kubectl || true)
+HELM=$(command -v .tools/bin/helm || command -v helm || true)
+
+die() { echo "e2e-kind: $*" >&2; exit 1; }
+for tool in kind docker; do command -v "$tool" >/dev/null || die "$tool is required (https://kind.sigs.k8s.io)"; done
+[[ -n $KUBECTL && -n $HELM ]] || die "kubectl and helm are required: run make setup"
+[[ -x $PY ]] || die ".venv is missing: run make setup"
+HELM=$(realpath "$HELM")
+
+cleanup() {
+  [[ -n ${PORT_FORWARD_PID:-} ]] && kill "$PORT_FORWARD_PID" 2>/dev/null || true
+  if [[ ${KEEP_CLUSTER:-0} != 1 ]]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
+
+echo "== tiny model (.miles/models/tiny-qwen3)"
+make --no-print-directory tiny-model TINY_MODEL_DIR=.miles/models/tiny-qwen3
+
+echo "== kind cluster $CLUSTER"
+if ! kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+  config=$(mktemp)
+  sed "s#hostPath: .miles/models#hostPath: $PWD/.miles/models#" k8s/overlays/kind/kind-cluster.yaml >"$config"
+  kind create cluster --name "$CLUSTER" --config "$config" --wait 120s
+  rm -f "$config"
+fi
+"$KUBECTL" config use-context "kind-$CLUSTER" >/dev/null
+
+if [[ ${SKIP_BUILD:-0} != 1 ]]; then
+  for service in "${SERVICES[@]}"; do
+    echo "== image miles-$service:$TAG"
+    docker build -q -f "services/$service/Dockerfile" -t "miles-$service:$TAG" .
+    kind load docker-image --name "$CLUSTER" "miles-$service:$TAG"
+  done
+fi
+
+echo "== apply k8s/overlays/kind"
+"$KUBECTL" kustomize --enable-helm --helm-command "$HELM" --load-restrictor LoadRestrictionsNone k8s/overlays/kind \
+  | "$KUBECTL" apply --server-side --force-conflicts -f -
+"$KUBECTL" -n "$NAMESPACE" rollout status statefulset/miles-redis --timeout "${TIMEOUT_S}s"
+for deployment in controller session-server rollout-router buffer sandbox-gateway; do
+  "$KUBECTL" -n "$NAMESPACE" rollout status "deployment/miles-$deployment" --timeout "${TIMEOUT_S}s"
+done
+
+echo "== submit the demo job"
+TOKEN=$("$KUBECTL" -n "$NAMESPACE" get secret miles-auth -o jsonpath='{.data.controller-api-tokens}' | base64 -d | cut -d, -f1)
+PORT=$($PY -c "from miles.common.testing import free_port; print(free_port())")
+"$KUBECTL" -n "$NAMESPACE" port-forward svc/miles-controller "$PORT:8080" >/dev/null 2>&1 &
+PORT_FORWARD_PID=$!
+URL=http://127.0.0.1:$PORT
+for _ in $(seq 60); do curl -fsS "$URL/healthz" >/dev/null 2>&1 && break; sleep 1; done
+SPEC=$($PY - "$STEPS" <<'EOF'
+import json, sys, yaml
+rollout = yaml.safe_load(open("examples/calculator_tool/job.yaml"))["rollout"]
+spec = {
+    "name": "kind-demo",
+    "model": {"path": "/models/tiny-qwen3", "family": "qwen3"},
+    "rollout": rollout,
+    "train": {"num_steps": int(sys.argv[1])},
+    "resources": {"engines": {"replicas": 1, "kind": "cpu"}, "rollout_workers": {"replicas": 1}, "trainer": {"replicas": 1}},
+}
+print(json.dumps(spec))
+EOF
+)
+JOB_ID=$(curl -fsS -X POST "$URL/v1/jobs" -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
+  -d "$SPEC" | $PY -c "import json, sys; print(json.load(sys.stdin)['job_id'])")
+echo "job $JOB_ID"
+
+echo "== wait for $STEPS steps"
+deadline=$((SECONDS + TIMEOUT_S))
+while :; do
+  view=$(curl -fsS "$URL/v1/jobs/$JOB_ID" -H "Authorization: Bearer $TOKEN")
+  read -r state step < <($PY -c "import json, sys; v = json.load(sys.stdin); print(v['state'], v['step'])" <<<"$view")
+  echo "state=$state step=$step"
+  [[ $state == FAILED || $state == CANCELLED ]] && { echo "$view"; "$KUBECTL" -n "$NAMESPACE" get pods -o wide; die "job $state"; }
+  ((step >= STEPS)) && break
+  ((SECONDS < deadline)) || { "$KUBECTL" -n "$NAMESPACE" get pods -o wide; die "no $STEPS steps in ${TIMEOUT_S}s"; }
+  sleep 10
+done
+"$KUBECTL" -n "$NAMESPACE" get pods -l "miles.dev/job=$JOB_ID" -o wide
+echo "e2e-kind: OK (job $JOB_ID took $step steps)"
