@@ -1,0 +1,154 @@
+"""The top-level job spec: what `POST /v1/jobs` accepts (JSON) and what `miles submit` reads (YAML).
+
+`JobSpec` composes the model to train, the rollout section (`miles.common.jobspec.rollout`), the training recipe
+(`miles.common.jobspec.trainer`), the weight transport and the resources of each per-job pool. The controller
+validates a whole spec at submit time (a 422 names the field path and the reason) and hands each per-job process
+its own section. No torch here, and nothing is imported from a dotted path: agents and rewards are imported by
+the rollout workers only.
+
+Limits: the spec says what a job needs, not where the shared services are (those come from the controller's
+settings); `resources` counts are per job and only `engines.replicas` and `rollout_workers.replicas` may change
+while a job runs (`PATCH /v1/jobs/{id}`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from miles.common.jobspec.rollout import RolloutSpec
+from miles.common.jobspec.trainer import TrainConfig
+
+NODE_POOL_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+"""A node pool name is a DNS label (it becomes a node-selector value on Kubernetes)."""
+
+
+class _Section(BaseModel):
+    """Base of every part of the job spec: unknown keys refused, field docstrings kept, immutable."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelSpec(_Section):
+    """The checkpoint the job starts from."""
+
+    path: str = Field(min_length=1)
+    """Hugging Face checkpoint directory (local backend: a path on this machine; Kubernetes: a path under the
+    chart's model mount, or a Hub id for SGLang)."""
+
+    family: str = Field(default="qwen3", min_length=1)
+    """TITO model family (the session server's name for the chat template's boundary rules)."""
+
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of the chat template (e.g. `{"enable_thinking": false}`)."""
+
+
+class EnginePoolSpec(_Section):
+    """The job's own engines (a job trains its own weights, so engines are never shared between jobs)."""
+
+    replicas: int = Field(default=1, ge=1, le=64)
+    """Engine processes (local) or SGLang pods (Kubernetes); may change while the job runs."""
+
+    kind: Literal["cpu", "sglang"] = "cpu"
+    """`cpu`: the miles CPU engine (`miles-engine`); `sglang`: real SGLang pods (Kubernetes backend)."""
+
+    gpus_per_replica: int = Field(default=0, ge=0, le=8)
+    """`nvidia.com/gpu` per engine pod (0 for the CPU engine)."""
+
+    tp_size: int = Field(default=1, ge=1, le=8)
+    """Tensor-parallel size of one SGLang engine (`--tp-size`)."""
+
+    node_pool: str = Field(default="rollout", pattern=NODE_POOL_PATTERN)
+    """Node pool the engine pods are scheduled on (Kubernetes)."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """Arguments appended to the engine's command line."""
+
+    @model_validator(mode="after")
+    def _tp_fits_gpus(self) -> Self:
+        if self.kind == "sglang" and self.gpus_per_replica and self.tp_size > self.gpus_per_replica:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) exceeds gpus_per_replica ({self.gpus_per_replica}): "
+                "each tensor-parallel rank needs its own GPU"
+            )
+        return self
+
+
+class RolloutWorkerPoolSpec(_Section):
+    """The job's rollout workers (they run the agents and push scored groups to the buffer)."""
+
+    replicas: int = Field(default=1, ge=1, le=256)
+    """Rollout-worker processes or pods; may change while the job runs."""
+
+    node_pool: str = Field(default="cpu", pattern=NODE_POOL_PATTERN)
+    """Node pool the rollout-worker pods are scheduled on (Kubernetes)."""
+
+
+class TrainerPoolSpec(_Section):
+    """The job's trainer ranks."""
+
+    replicas: int = Field(default=1, ge=1, le=1024)
+    """Trainer ranks (StatefulSet pods on Kubernetes); fixed for the life of the job."""
+
+    gpus_per_replica: int = Field(default=0, ge=0, le=8)
+    """`nvidia.com/gpu` per trainer pod (0 trains on the CPU)."""
+
+    node_pool: str = Field(default="trainer", pattern=NODE_POOL_PATTERN)
+    """Node pool the trainer pods are scheduled on (Kubernetes)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """Trainer backend: `torch` (FSDP2) or `megatron`."""
+
+
+class ResourcesSpec(_Section):
+    """Sizes and placement of the job's per-job pools."""
+
+    engines: EnginePoolSpec = EnginePoolSpec()
+    """The engine pool."""
+
+    rollout_workers: RolloutWorkerPoolSpec = RolloutWorkerPoolSpec()
+    """The rollout-worker pool."""
+
+    trainer: TrainerPoolSpec = TrainerPoolSpec()
+    """The trainer pool."""
+
+
+class WeightSyncSpec(_Section):
+    """How new weights travel from the trainer to the job's engines."""
+
+    transport: Literal["disk", "delta", "stream", "nccl"] = "disk"
+    """`disk`: full checkpoint files; `delta`: lossless bf16 deltas; `stream`: gRPC streaming; `nccl`: GPU
+    collectives (Kubernetes with GPUs)."""
+
+
+class JobSpec(_Section):
+    """One training job as a user submits it."""
+
+    name: str = Field(default="", max_length=63)
+    """Display name (not unique; the controller assigns the job id)."""
+
+    model: ModelSpec
+    """The checkpoint to train."""
+
+    rollout: RolloutSpec
+    """Dataset, agent, reward, group size and rollout concurrency."""
+
+    train: TrainConfig = Field(default_factory=TrainConfig, validate_default=True)
+    """Algorithm and hyper-parameters; `train.num_steps` (>= 1) ends the job: it SUCCEEDS after that step."""
+
+    weight_sync: WeightSyncSpec = WeightSyncSpec()
+    """Weight transport from the trainer to the engines."""
+
+    resources: ResourcesSpec = ResourcesSpec()
+    """Per-job pool sizes and node pools."""
+
+    @field_validator("train")
+    @classmethod
+    def _job_has_an_end(cls, train: TrainConfig) -> TrainConfig:
+        if train.num_steps < 1:
+            raise ValueError(
+                f"num_steps must be >= 1 for a job (got {train.num_steps}): the job succeeds after its last "
+                "step, and 0 would train until cancelled"
+            )
+        return train

@@ -1,0 +1,87 @@
+"""The interface between the controller's job supervisor and a backend that runs a job's per-job resources.
+
+The controller owns the job record, its state machine and the registration of the job with the shared
+services; a backend owns only the per-job processes or objects (engine pool with its weight-sync, rollout
+workers, trainer). Every method may be called again after a controller restart: `start` adopts what already
+runs instead of starting a second copy, and `stop` is idempotent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from miles.common.jobspec.job import JobSpec
+
+JobPhase = Literal["starting", "running", "succeeded", "failed"]
+"""What a backend observes of a job: `starting` (resources being created or not ready yet), `running`,
+`succeeded` (the trainer reported its last step), `failed` (a resource failed for good; see `error`)."""
+
+
+@dataclass(frozen=True)
+class SharedServices:
+    """Where the shared, multi-tenant services are (from the controller's settings)."""
+
+    redis_url: str
+    """Redis URL (jobs, sessions, buffer, dataset cursors)."""
+    router_url: str
+    """HTTP base URL of the rollout router (SGLang protocol)."""
+    router_admin_address: str
+    """host:port of the router's gRPC admin API; "" = none (Kubernetes: the router discovers pods by label)."""
+    session_url: str
+    """HTTP base URL of the session server."""
+    session_operator_token: str
+    """Bearer token of the session server's operator API (job configuration)."""
+    buffer_address: str
+    """host:port of the buffer's gRPC API."""
+    sandbox_address: str
+    """host:port of the sandbox gateway's gRPC API."""
+    sandbox_http_url: str
+    """HTTP base URL of the sandbox gateway ("" = none)."""
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """What a backend observes of a running job (every field optional but `phase`)."""
+
+    phase: JobPhase
+    step: int = 0
+    """Optimizer steps the trainer has completed."""
+    weight_version: int = 0
+    """Latest weight version the trainer published."""
+    error: str = ""
+    """Why the job failed (phase `failed`), or the latest recoverable problem (e.g. a restarted process)."""
+    pools: dict[str, int] = field(default_factory=dict)
+    """Live replicas per pool: `engines`, `rollout_workers`, `trainer`."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Job metrics the backend can read (added to the job record as they are): the trainer's
+    `Status.last_step_metrics` as they are (`reward_mean`, `staleness_mean`, `staleness_max`,
+    `tokens_per_second` ...), and `tito_critical_episodes` summed over the rollout workers'
+    `miles_rollout_tito_critical_episodes_total`. Missing keys are simply not shown."""
+
+
+class JobBackend(Protocol):
+    """Runs the per-job resources of jobs. Every method is safe to call again after a controller restart."""
+
+    name: str
+    """`local` or `kubernetes`."""
+
+    async def start(self, job_id: str, spec: JobSpec) -> None:
+        """Create the job's per-job resources; idempotent: adopts what already runs for `job_id`."""
+        ...
+
+    async def observe(self, job_id: str, spec: JobSpec) -> JobProgress:
+        """The job's current progress (called every `observe_interval_s` by the supervisor)."""
+        ...
+
+    async def resize(self, job_id: str, spec: JobSpec, *, engines: int | None, rollout_workers: int | None) -> None:
+        """Change the engine and/or rollout-worker pool size (None: leave as is) of a running job."""
+        ...
+
+    async def stop(self, job_id: str) -> None:
+        """Remove every per-job process or object of `job_id`; idempotent (nothing to remove is fine)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the backend's own connections (per-job resources keep running)."""
+        ...

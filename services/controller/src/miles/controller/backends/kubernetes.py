@@ -1,0 +1,318 @@
+"""The Kubernetes backend: a job's per-job objects, created from the chart's job templates with the official client.
+
+The chart stores the per-job templates in the ConfigMap `<fullname>-job-templates`; `miles.controller.job_templates`
+fills them for one job. `start` creates the job's spec ConfigMap first, then every other object (engine
+Deployment of SGLang pods with weight-sync, weight-sync origin, rollout-worker Deployment, trainer StatefulSet,
+Services, NetworkPolicies) with an ownerReference to it; objects that already exist are adopted (409 is fine), so
+`start` after a controller restart creates only what is missing. `stop` deletes the spec ConfigMap and Kubernetes'
+garbage collector deletes the rest. `resize` patches the engine / rollout-worker Deployments' replicas (and the
+rollout workers' HPA bounds when the chart autoscales them). `observe` reads the Deployments' and StatefulSet's
+ready replicas and trainer rank 0's gRPC `Status` (step, weight version, last-step metrics, FINISHED / FAILED).
+
+The official client is synchronous; every call runs in a worker thread (`asyncio.to_thread`).
+
+Limits: the engine pool's registration with the router is the router's own discovery (EndpointSlices labelled
+`miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pydantic
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from miles.common.errors import FailedPreconditionError, UnavailableError
+from miles.common.grpc_client import create_channel
+from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.job_templates import (
+    JobAddresses,
+    JobTemplateParams,
+    instantiate_job_templates,
+    job_spec_config_map,
+    owned_by,
+)
+from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+if TYPE_CHECKING:
+    from miles.controller.settings import ControllerSettings
+
+log = logging.getLogger(__name__)
+
+COMPONENT_LABEL = "app.kubernetes.io/component"
+JOB_LABEL = "miles.dev/job"
+POOL_COMPONENTS = {"engines": "engine", "rollout_workers": "rollout-worker", "trainer": "trainer"}
+"""Pool name (JobProgress.pools) -> the component label of its workload."""
+
+_SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+_CREATE_METHODS: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("CoreV1Api", "create_namespaced_config_map"),
+    "Service": ("CoreV1Api", "create_namespaced_service"),
+    "ServiceAccount": ("CoreV1Api", "create_namespaced_service_account"),
+    "Deployment": ("AppsV1Api", "create_namespaced_deployment"),
+    "StatefulSet": ("AppsV1Api", "create_namespaced_stateful_set"),
+    "DaemonSet": ("AppsV1Api", "create_namespaced_daemon_set"),
+    "HorizontalPodAutoscaler": ("AutoscalingV2Api", "create_namespaced_horizontal_pod_autoscaler"),
+    "NetworkPolicy": ("NetworkingV1Api", "create_namespaced_network_policy"),
+    "PodDisruptionBudget": ("PolicyV1Api", "create_namespaced_pod_disruption_budget"),
+}
+
+
+def spec_files(spec: JobSpec) -> dict[str, dict[str, Any]]:
+    """The four files of the job's spec ConfigMap (`job_templates.SPEC_FILES`): what each process reads of the spec.
+
+    Only fields the templates do not set by environment (see the job_templates docstring)."""
+    weightsync: dict[str, Any] = {}
+    if spec.weight_sync.transport in ("disk", "delta", "stream"):
+        weightsync["transport"] = spec.weight_sync.transport
+    return {
+        "spec.json": spec.model_dump(mode="json"),
+        "trainer.json": {"train": spec.train.model_dump(mode="json"), "backend": spec.resources.trainer.backend},
+        "rollout.json": {"rollout": spec.rollout.model_dump(mode="json")},
+        "weightsync.json": weightsync,
+    }
+
+
+def template_params(job_id: str, spec: JobSpec) -> JobTemplateParams:
+    resources = spec.resources
+    return JobTemplateParams(
+        job_id=job_id,
+        model_path=spec.model.path,
+        engine_replicas=resources.engines.replicas,
+        engine_gpus=resources.engines.gpus_per_replica,
+        tp_size=resources.engines.tp_size,
+        rollout_worker_replicas=resources.rollout_workers.replicas,
+        trainer_replicas=resources.trainer.replicas,
+        trainer_gpus=resources.trainer.gpus_per_replica,
+    )
+
+
+def _component(obj: Mapping[str, Any]) -> str:
+    return str(obj.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL, ""))
+
+
+def default_namespace() -> str:
+    """The pod's own namespace in a cluster, else `default`."""
+    if _SERVICE_ACCOUNT_NAMESPACE.exists():
+        return _SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or "default"
+    return "default"
+
+
+class KubernetesJobBackend:
+    """`JobBackend` over the Kubernetes API (one ApiClient; blocking calls in threads)."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        *,
+        namespace: str,
+        templates_config_map: str,
+        shared: SharedServices,
+        trainer_address: Callable[[str], str] = lambda address: address,
+        status_timeout_s: float = 5.0,
+    ) -> None:
+        """`trainer_address` maps the in-cluster address of trainer rank 0 to a dialable one (tests)."""
+        self.api = api_client
+        self.namespace = namespace
+        self.templates_config_map = templates_config_map
+        self.shared = shared
+        self.trainer_address = trainer_address
+        self.status_timeout_s = status_timeout_s
+        self.core = k8s.CoreV1Api(api_client)
+        self.apps = k8s.AppsV1Api(api_client)
+        self.autoscaling = k8s.AutoscalingV2Api(api_client)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._job_templates: dict[str, dict[str, str]] = {}
+        """The templates each job was started from (a chart upgrade changes new jobs, not running ones)."""
+
+    @classmethod
+    def from_settings(cls, settings: ControllerSettings) -> KubernetesJobBackend:
+        """In-cluster credentials (or ~/.kube/config, per `kubernetes_config`) and the settings' namespace."""
+        mode = settings.kubernetes_config
+        if mode == "in_cluster" or (mode == "auto" and os.environ.get("KUBERNETES_SERVICE_HOST")):
+            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        else:
+            k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
+        return cls(
+            k8s.ApiClient(),
+            namespace=settings.kubernetes_namespace or default_namespace(),
+            templates_config_map=settings.kubernetes_templates_config_map,
+            shared=settings.shared_services(),
+        )
+
+    async def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.to_thread(method, *args, **kwargs)
+        except ApiException:
+            raise
+        except pydantic.ValidationError as exc:  # the client checks bodies against its models before sending
+            raise FailedPreconditionError(f"the Kubernetes client refused the request: {exc}") from None
+        except OSError as exc:  # urllib3 connection errors are OSErrors underneath
+            raise UnavailableError(f"Kubernetes API unreachable: {type(exc).__name__}: {exc}") from exc
+
+    async def templates(self) -> dict[str, str]:
+        """The chart's per-job templates (read on every start so that a chart upgrade applies to new jobs)."""
+        try:
+            config_map = await self._call(
+                self.core.read_namespaced_config_map, self.templates_config_map, self.namespace
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                raise FailedPreconditionError(
+                    f"ConfigMap {self.namespace}/{self.templates_config_map} (the chart's job templates) not found: "
+                    "install the chart, or set kubernetes_templates_config_map to <fullname>-job-templates"
+                ) from None
+            raise
+        return dict(config_map.data or {})
+
+    async def _templates_of(self, job_id: str) -> dict[str, str]:
+        if job_id not in self._job_templates:
+            self._job_templates[job_id] = await self.templates()
+        return self._job_templates[job_id]
+
+    async def start(self, job_id: str, spec: JobSpec) -> None:
+        templates = self._job_templates[job_id] = await self.templates()
+        params = template_params(job_id, spec)
+        spec_config_map = job_spec_config_map(templates, params, spec_files(spec))
+        created_owner = await self._create_or_read(spec_config_map)
+        objects = owned_by(instantiate_job_templates(templates, params), created_owner)
+        for obj in objects:
+            await self._create_or_read(obj)
+        log.info("job objects created", extra={"job_id": job_id, "num_objects": len(objects) + 1})
+
+    async def _create_or_read(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create `obj`; when it already exists (an adopted job), read it back. Returns the object as stored."""
+        kind = obj["kind"]
+        if kind not in _CREATE_METHODS:
+            raise FailedPreconditionError(f"the job templates contain a {kind}, which this controller cannot create")
+        api_name, method_name = _CREATE_METHODS[kind]
+        api = getattr(k8s, api_name)(self.api)
+        try:
+            created = await self._call(getattr(api, method_name), self.namespace, obj)
+        except ApiException as exc:
+            if exc.status != 409:
+                message = f"creating {kind} {obj['metadata']['name']} failed: {exc.status} {exc.reason}: {exc.body}"
+                retryable = exc.status is None or exc.status >= 500 or exc.status == 429
+                raise (UnavailableError if retryable else FailedPreconditionError)(message) from None
+            read = getattr(api, method_name.replace("create_", "read_"))
+            created = await self._call(read, obj["metadata"]["name"], self.namespace)
+        stored: dict[str, Any] = self.api.sanitize_for_serialization(created)  # type: ignore[no-untyped-call]
+        return stored
+
+    async def observe(self, job_id: str, spec: JobSpec) -> JobProgress:
+        templates = await self._templates_of(job_id)
+        spec_name = job_spec_config_map(templates, template_params(job_id, spec), spec_files(spec))["metadata"]["name"]
+        try:
+            await self._call(self.core.read_namespaced_config_map, spec_name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return JobProgress(phase="failed", error=f"the job's ConfigMap {spec_name} was deleted")
+            raise
+        pools, problem = await self._pools(job_id)
+        status = await self._trainer_status(templates, job_id)
+        metrics: dict[str, float] = {}
+        step = weight_version = 0
+        if status is not None:
+            step, weight_version = int(status.step), int(status.weight_version)
+            metrics = {key: float(value) for key, value in status.last_step_metrics.items()}
+            if status.state == trainer_pb2.TRAINER_STATE_FINISHED:
+                return JobProgress("succeeded", step, weight_version, pools=pools, metrics=metrics)
+            if status.state == trainer_pb2.TRAINER_STATE_FAILED:
+                error = f"trainer failed: {status.error}"
+                return JobProgress("failed", step, weight_version, error, pools=pools, metrics=metrics)
+        if problem:
+            return JobProgress("failed", step, weight_version, problem, pools=pools, metrics=metrics)
+        desired = {
+            "engines": spec.resources.engines.replicas,
+            "rollout_workers": spec.resources.rollout_workers.replicas,
+            "trainer": spec.resources.trainer.replicas,
+        }
+        trainer_up = status is not None and status.state != trainer_pb2.TRAINER_STATE_STARTING
+        all_ready = all(pools.get(pool, 0) >= size for pool, size in desired.items())
+        phase = "running" if trainer_up or all_ready else "starting"
+        return JobProgress(phase, step, weight_version, pools=pools, metrics=metrics)  # type: ignore[arg-type]
+
+    async def _pools(self, job_id: str) -> tuple[dict[str, int], str]:
+        """Ready replicas per pool, and a reason when a workload gave up (progress deadline exceeded)."""
+        selector = f"{JOB_LABEL}={job_id}"
+        deployments = await self._call(self.apps.list_namespaced_deployment, self.namespace, label_selector=selector)
+        statefulsets = await self._call(self.apps.list_namespaced_stateful_set, self.namespace, label_selector=selector)
+        ready: dict[str, int] = {}
+        problem = ""
+        for workload in [*deployments.items, *statefulsets.items]:
+            labels = workload.metadata.labels or {}
+            component = labels.get(COMPONENT_LABEL, "")
+            ready[component] = int((workload.status and workload.status.ready_replicas) or 0)
+            for condition in (workload.status and workload.status.conditions) or []:
+                if condition.reason == "ProgressDeadlineExceeded":
+                    problem = f"{workload.metadata.name}: {condition.message or condition.reason}"
+        return {pool: ready.get(component, 0) for pool, component in POOL_COMPONENTS.items()}, problem
+
+    async def _trainer_status(self, templates: Mapping[str, str], job_id: str) -> trainer_pb2.StatusResponse | None:
+        """Trainer rank 0's Status; None while it cannot be reached (pod not ready yet)."""
+        address = self.trainer_address(JobAddresses.of(templates, job_id).trainer_rank0)
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = create_channel(address)
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            status: trainer_pb2.StatusResponse = await stub.Status(
+                trainer_pb2.StatusRequest(), timeout=self.status_timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return status
+
+    async def resize(self, job_id: str, spec: JobSpec, *, engines: int | None, rollout_workers: int | None) -> None:
+        templates = await self._templates_of(job_id)
+        objects = instantiate_job_templates(templates, template_params(job_id, spec))
+        sizes = {"engine": engines, "rollout-worker": rollout_workers}
+        for obj in objects:
+            replicas = sizes.get(_component(obj))
+            if replicas is None:
+                continue
+            name = obj["metadata"]["name"]
+            if obj["kind"] == "Deployment":
+                await self._call(
+                    self.apps.patch_namespaced_deployment, name, self.namespace, {"spec": {"replicas": replicas}}
+                )
+            elif obj["kind"] == "HorizontalPodAutoscaler":
+                maximum = max(replicas, int(obj["spec"].get("maxReplicas", replicas)))
+                body = {"spec": {"minReplicas": replicas, "maxReplicas": maximum}}
+                await self._call(
+                    self.autoscaling.patch_namespaced_horizontal_pod_autoscaler, name, self.namespace, body
+                )
+
+    async def stop(self, job_id: str) -> None:
+        """Delete the spec ConfigMap; the garbage collector deletes the objects it owns."""
+        self._job_templates.pop(job_id, None)
+        selector = f"{JOB_LABEL}={job_id},{COMPONENT_LABEL}=job-spec"
+        config_maps = await self._call(self.core.list_namespaced_config_map, self.namespace, label_selector=selector)
+        for config_map in config_maps.items:
+            try:
+                await self._call(
+                    self.core.delete_namespaced_config_map,
+                    config_map.metadata.name,
+                    self.namespace,
+                    body=k8s.V1DeleteOptions(propagation_policy="Background"),
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        await asyncio.to_thread(self.api.close)

@@ -1,0 +1,203 @@
+"""What the local backend runs for one job: the argv, environment and config file of each per-job process.
+
+One job on this machine is:
+
+- `engine-<i>`: `miles-engine --model-path <spec.model.path> --port <free> --weight-version 0 <extra_args>`
+  (`--fake-model` only when the spec's `resources.engines.extra_args` carry it);
+- `weightsync`: one `miles-weight-sync` daemon, the job's origin, loading every engine of the job itself (the
+  weight-sync README's one-process setup: no peers), draining engines through the router's admin API in the
+  job's pool, with the spec's transport (disk, delta or stream; its store and scratch space in the job dir);
+- `bridge`: `python -m miles.controller.backends.local_bridge`, which hands each version the trainer writes to
+  its publish directory to the weight-sync origin (the trainer's own publisher only writes directories);
+- `worker-<i>`: `miles-rollout-worker` with `{"rollout": ...}` in `MILES_ROLLOUT_CONFIG_FILE`;
+- `trainer`: `miles-trainer` (torchrun when `resources.trainer.replicas` > 1) with `MILES_TRAINER_CONFIG_FILE`.
+
+Config files, logs and pid files live in the job directory. Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.base import SharedServices
+from miles.controller.backends.local_processes import ProcessRecord, free_port
+
+LOCAL_TRANSPORTS = ("disk", "delta", "stream")
+"""Weight transports the local backend can drive (nccl needs GPUs and runs inside the trainer)."""
+
+
+def console_script(name: str) -> str:
+    """An installed console script: next to the running interpreter (the virtualenv), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    return shutil.which(name) or name
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> str:
+    path.write_text(json.dumps(data, indent=1))
+    return str(path)
+
+
+def engine_record(job_dir: Path, spec: JobSpec, index: int) -> ProcessRecord:
+    if spec.resources.engines.kind != "cpu":
+        raise ValueError(
+            f"engines.kind {spec.resources.engines.kind!r} needs the kubernetes backend "
+            "(the local backend runs miles-engine: kind 'cpu')"
+        )
+    port = free_port()
+    argv = [
+        console_script("miles-engine"),
+        "--model-path",
+        spec.model.path,
+        "--port",
+        str(port),
+        "--weight-version",
+        "0",
+        *spec.resources.engines.extra_args,
+    ]
+    url = f"http://127.0.0.1:{port}"
+    return ProcessRecord(
+        name=f"engine-{index}",
+        role="engine",
+        argv=argv,
+        env={"MILES_ENGINE_LOG_JSON": "false"},
+        log_path=str(job_dir / f"engine-{index}.log"),
+        ready_url=f"{url}/readyz",
+        url=url,
+        extra={"index": index},
+    )
+
+
+def weightsync_record(
+    job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, engine_urls: list[str]
+) -> ProcessRecord:
+    """The job's weight-sync origin loading `engine_urls` (rebuilt, same ports, when the engine set changes)."""
+    if spec.weight_sync.transport not in LOCAL_TRANSPORTS:
+        raise ValueError(
+            f"weight transport {spec.weight_sync.transport!r} is not supported by the local backend "
+            f"(use one of {', '.join(LOCAL_TRANSPORTS)})"
+        )
+    port, metrics_port = free_port(), free_port()
+    record = ProcessRecord(
+        name="weightsync",
+        role="weightsync",
+        argv=[console_script("miles-weight-sync")],
+        env={},
+        log_path=str(job_dir / "weightsync.log"),
+        ready_url=f"http://127.0.0.1:{metrics_port}/readyz",
+        url=f"127.0.0.1:{port}",
+        extra={"port": port, "metrics_port": metrics_port},
+    )
+    write_weightsync_config(job_dir, job_id, spec, shared, record, engine_urls)
+    return record
+
+
+def write_weightsync_config(
+    job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, record: ProcessRecord, engine_urls: list[str]
+) -> None:
+    config = {
+        "job_id": job_id,
+        "port": record.extra["port"],
+        "metrics_port": record.extra["metrics_port"],
+        "engine_urls": engine_urls,
+        "router_url": shared.router_url,
+        "pool": job_id,
+        "transport": spec.weight_sync.transport,
+        "pause_mode": "drain" if shared.router_url else "in_place",
+        "store_dir": str(job_dir / "weights" / "store"),
+        "work_dir": str(job_dir / "weights" / "work"),
+        "model_config_dir": spec.model.path,
+        "log_json": False,
+    }
+    path = _write_json(job_dir / "weightsync.json", config)
+    record.env = {"MILES_WEIGHTSYNC_CONFIG_FILE": path}
+
+
+def bridge_record(job_dir: Path, job_id: str, weightsync_address: str) -> ProcessRecord:
+    argv = [
+        sys.executable,
+        "-m",
+        "miles.controller.backends.local_bridge",
+        "--job-id",
+        job_id,
+        "--publish-dir",
+        str(publish_dir(job_dir)),
+        "--weightsync-address",
+        weightsync_address,
+    ]
+    return ProcessRecord(name="bridge", role="bridge", argv=argv, env={}, log_path=str(job_dir / "bridge.log"))
+
+
+def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, index: int) -> ProcessRecord:
+    port = free_port()
+    name = f"worker-{index}"
+    config_path = _write_json(job_dir / f"{name}.json", {"rollout": spec.rollout.model_dump(mode="json")})
+    env = {
+        "MILES_ROLLOUT_PORT": str(port),
+        "MILES_ROLLOUT_JOB_ID": job_id,
+        "MILES_ROLLOUT_WORKER_ID": f"{job_id}-{name}",
+        "MILES_ROLLOUT_CONFIG_FILE": config_path,
+        "MILES_ROLLOUT_REDIS_URL": shared.redis_url,
+        "MILES_ROLLOUT_SESSION_SERVER_URL": shared.session_url,
+        "MILES_ROLLOUT_SESSION_OPERATOR_TOKEN": shared.session_operator_token,
+        "MILES_ROLLOUT_BUFFER_ADDRESS": shared.buffer_address,
+        "MILES_ROLLOUT_SANDBOX_ADDRESS": shared.sandbox_address,
+        "MILES_ROLLOUT_SANDBOX_HTTP_URL": shared.sandbox_http_url,
+        "MILES_ROLLOUT_LOG_JSON": "false",
+    }
+    url = f"http://127.0.0.1:{port}"
+    return ProcessRecord(
+        name=name,
+        role="worker",
+        argv=[console_script("miles-rollout-worker")],
+        env=env,
+        log_path=str(job_dir / f"{name}.log"),
+        ready_url=f"{url}/readyz",
+        url=url,
+        extra={"index": index},
+    )
+
+
+def publish_dir(job_dir: Path) -> Path:
+    return job_dir / "published"
+
+
+def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices) -> ProcessRecord:
+    port, metrics_port = free_port(), free_port()
+    config = {
+        "job_id": job_id,
+        "port": port,
+        "metrics_port": metrics_port,
+        "buffer_address": shared.buffer_address,
+        "model_path": spec.model.path,
+        "checkpoint_dir": str(job_dir / "checkpoints"),
+        "backend": spec.resources.trainer.backend,
+        "train": spec.train.model_dump(mode="json"),
+        # The trainer writes each version to a directory; the bridge hands it to weight-sync, which loads the
+        # engines. Enough versions are kept for the bridge to publish every one of them in order.
+        "publish": {"kind": "disk", "dir": str(publish_dir(job_dir)), "engine_urls": [], "keep_last": 8},
+        "log_json": False,
+    }
+    path = _write_json(job_dir / "trainer.json", config)
+    script = console_script("miles-trainer")
+    replicas = spec.resources.trainer.replicas
+    argv = [script]
+    if replicas > 1:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(replicas)]
+        argv += ["--master_port", str(free_port()), script]
+    return ProcessRecord(
+        name="trainer",
+        role="trainer",
+        argv=argv,
+        env={"MILES_TRAINER_CONFIG_FILE": path},
+        log_path=str(job_dir / "trainer.log"),
+        ready_url=f"http://127.0.0.1:{metrics_port}/readyz",
+        url=f"127.0.0.1:{port}",
+        extra={"port": port, "metrics_port": metrics_port},
+    )

@@ -1,0 +1,45 @@
+"""Errors of the controller: subclasses of `miles.common.errors`, mapped to HTTP by the common app factory."""
+
+from __future__ import annotations
+
+from miles.common.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnprocessableError,
+)
+
+
+class JobNotFoundError(NotFoundError):
+    """No job with this id (never submitted, or deleted)."""
+
+
+class JobStateConflictError(FailedPreconditionError):
+    """The job's state does not allow the request (e.g. DELETE of a running job, PATCH of an ended one)."""
+
+    code = "job_state_conflict"
+
+
+class IllegalTransitionError(FailedPreconditionError):
+    """A state change the job state machine does not allow (e.g. SUCCEEDED -> RUNNING)."""
+
+    code = "illegal_transition"
+
+
+class IdempotencyKeyReusedError(UnprocessableError):
+    """An `Idempotency-Key` already used with a different request body."""
+
+    code = "idempotency_key_reused"
+
+
+class TooManyActiveJobsError(ResourceExhaustedError):
+    """`max_active_jobs` jobs are already PENDING or RUNNING."""
+
+
+class MissingTokenError(UnauthenticatedError):
+    """No `Authorization: Bearer <token>` header."""
+
+
+class WrongTokenError(UnauthenticatedError):
+    """A bearer token that is not one of the controller's api tokens."""

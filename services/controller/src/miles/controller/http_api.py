@@ -1,0 +1,193 @@
+"""The REST job API over `JobService` (thin: parse, authenticate, call the core, shape the answer).
+
+Routes (all under bearer auth when api tokens are configured; probes, metrics and /openapi.json stay open):
+POST /v1/jobs, GET /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/events (SSE), POST /v1/jobs/{id}/cancel,
+PATCH /v1/jobs/{id}, DELETE /v1/jobs/{id}. Errors are `{"error": {...}}` bodies from the common app factory;
+invalid bodies are 422 naming the field path (`body.train.num_steps`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Path, Query, Response
+from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from miles.common.errors import InvalidArgumentError
+from miles.common.http import ReadinessCheck, create_http_app
+from miles.common.jobspec.job import JobSpec
+from miles.common.telemetry import Metrics
+from miles.controller.api_models import JobList, JobView, ResizeRequest
+from miles.controller.errors import MissingTokenError, WrongTokenError
+from miles.controller.jobs import JobState
+from miles.controller.service import JobService
+
+JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+_EVENT_ID_RE = re.compile(r"^(0|\d{1,20}-\d{1,20})$")
+
+JOB_SPEC_EXAMPLES: dict[str, Any] = {
+    "calculator": {
+        "summary": "A short multi-turn tool-use job on the CPU",
+        "value": {
+            "name": "calculator-demo",
+            "model": {"path": "/models/tiny-qwen3", "family": "qwen3"},
+            "rollout": {
+                "dataset": {"path": "examples/calculator_tool/data.jsonl"},
+                "agent": {"function": "calculator_tool.agent:agent", "python_path": ["examples"]},
+                "n_samples_per_prompt": 4,
+            },
+            "train": {"mode": "async", "max_staleness": 2, "batch_size_groups": 4, "num_steps": 20},
+            "resources": {"engines": {"replicas": 2}, "rollout_workers": {"replicas": 1}},
+        },
+    }
+}
+"""Shown in /openapi.json (and used by the property-based API test as a known-good body)."""
+
+JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN, description="Job id (as returned by POST /v1/jobs)")]
+_bearer = HTTPBearer(auto_error=False, description="One of the controller's api tokens")
+
+
+class TokenCheck:
+    """Constant-time comparison against every configured token (no tokens: open, loopback development mode)."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self._tokens = [token.encode() for token in tokens]
+
+    async def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        if not self._tokens:
+            return
+        if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+            raise MissingTokenError("send `Authorization: Bearer <token>` with one of the controller's api tokens")
+        offered = credentials.credentials.encode()
+        matched = False
+        for token in self._tokens:  # compare with every token, so timing says nothing about which one matched
+            matched |= hmac.compare_digest(offered, token)
+        if not matched:
+            raise WrongTokenError("the bearer token is not one of the controller's api tokens")
+
+
+def _format_sse(event_id: str, event_type: str, data: dict[str, Any]) -> bytes:
+    return f"id: {event_id}\nevent: {event_type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _job_routes(router: APIRouter, service: JobService) -> None:
+    @router.post(
+        "/v1/jobs",
+        status_code=201,
+        response_model=JobView,
+        responses={200: {"model": JobView, "description": "Replay: the job an earlier request with this key made"}},
+        summary="Submit a job",
+    )
+    async def submit_job(
+        spec: Annotated[JobSpec, Body(openapi_examples=JOB_SPEC_EXAMPLES)],
+        response: Response,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                min_length=1,
+                max_length=255,
+                description="Makes retries safe: the same key and body return the first job; another body is 422",
+            ),
+        ] = None,
+    ) -> JobView:
+        record, created = await service.submit(spec, idempotency_key=idempotency_key)
+        response.status_code = 201 if created else 200
+        response.headers["Location"] = f"/v1/jobs/{record.job_id}"
+        if not created:
+            response.headers["Idempotent-Replayed"] = "true"
+        return JobView.of(record)
+
+    @router.get("/v1/jobs", response_model=JobList, summary="List jobs, newest first")
+    async def list_jobs(
+        state: Annotated[JobState | None, Query(description="Only jobs in this state")] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 100,
+        offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    ) -> JobList:
+        records = await service.list(limit=limit, offset=offset, state=state)
+        return JobList(jobs=[JobView.of(record) for record in records])
+
+    @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="One job: state, progress, metrics, errors")
+    async def get_job(job_id: JobId) -> JobView:
+        return JobView.of(await service.get(job_id))
+
+    @router.post(
+        "/v1/jobs/{job_id}/cancel",
+        response_model=JobView,
+        responses={202: {"model": JobView, "description": "Cancellation requested; the job is still stopping"}},
+        summary="Cancel a job",
+    )
+    async def cancel_job(job_id: JobId, response: Response) -> JobView:
+        record = await service.cancel(job_id)
+        response.status_code = 200 if record.state.is_terminal else 202
+        return JobView.of(record)
+
+    @router.patch("/v1/jobs/{job_id}", status_code=202, response_model=JobView, summary="Resize a job's pools")
+    async def resize_job(job_id: JobId, body: ResizeRequest) -> JobView:
+        return JobView.of(await service.resize(job_id, body))
+
+    @router.delete("/v1/jobs/{job_id}", status_code=204, summary="Delete an ended job")
+    async def delete_job(job_id: JobId) -> Response:
+        await service.delete(job_id)
+        return Response(status_code=204)
+
+    @router.get(
+        "/v1/jobs/{job_id}/events",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+        summary="Server-sent events of a job (resumable with Last-Event-ID)",
+    )
+    async def job_events(
+        job_id: JobId,
+        last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
+        after: Annotated[str | None, Query(max_length=64, description="Same as Last-Event-ID")] = None,
+    ) -> StreamingResponse:
+        after_id = last_event_id or after or "0"
+        if not _EVENT_ID_RE.match(after_id):
+            raise InvalidArgumentError(
+                f"Last-Event-ID {after_id!r} is not an event id (<ms>-<seq>)", field="Last-Event-ID"
+            )
+        await service.get(job_id)  # 404 now, not inside the stream
+
+        async def stream() -> AsyncIterator[bytes]:
+            service.metrics.sse_streams.inc()
+            try:
+                yield b"retry: 2000\n\n"
+                async for event in service.follow(job_id, after_id=after_id):
+                    if event is None:
+                        yield b": keep-alive\n\n"
+                    else:
+                        yield _format_sse(event.event_id, event.type, event.data)
+            finally:
+                service.metrics.sse_streams.dec()
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+
+def build_app(
+    service: JobService,
+    metrics: Metrics,
+    *,
+    api_tokens: Sequence[str],
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[Any]] | None = None,
+    readiness_checks: dict[str, ReadinessCheck] | None = None,
+) -> FastAPI:
+    """The controller's FastAPI app: the common probes/metrics/errors plus the job routes behind auth."""
+    app = create_http_app(
+        service="controller",
+        metrics=metrics,
+        readiness_checks=readiness_checks,
+        lifespan=lifespan,
+        title="miles-controller",
+    )
+    router = APIRouter(dependencies=[Depends(TokenCheck(api_tokens))], tags=["jobs"])
+    _job_routes(router, service)
+    app.include_router(router)
+    return app

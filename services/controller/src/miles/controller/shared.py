@@ -1,0 +1,120 @@
+"""The controller's calls to the shared services for one job: register it before its resources start, read its
+per-job statistics while it runs, unregister it when it is deleted.
+
+- session server: `PUT /v1/jobs/{id}/config` (model path, TITO family, chat template kwargs, the router pool =
+  the job id) with the operator token; `DELETE` of it on job deletion.
+- buffer: gRPC `ConfigureJob` (the job's queue, created before any worker pushes) and `DeleteJob`.
+- router: `GET /admin/v1/stats?pool=<job id>` for the job's prefix hit rate (counters of the replica that answers:
+  with several router replicas this is one replica's view).
+
+An empty address skips that service (tests and partial local stacks). Every call is idempotent, so the supervisor
+simply repeats registration after a controller restart. Failures raise MilesErrors (UnavailableError when the
+service cannot be reached: the supervisor retries).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import httpx
+
+from miles.common.errors import MilesError, UnavailableError, error_class_for_http_status
+from miles.common.grpc_client import create_channel, error_from_rpc_error
+from miles.common.http_client import traced_async_client
+from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.base import SharedServices
+from miles.proto.buffer.v1 import buffer_pb2, buffer_pb2_grpc
+
+
+def engine_pool_of(job_id: str) -> str:
+    """The router pool of a job's engines (the same name on every backend)."""
+    return job_id
+
+
+class SharedServicesClient:
+    """Clients of the session server, buffer and router; one per controller process."""
+
+    def __init__(self, shared: SharedServices, *, timeout_s: float) -> None:
+        self.shared = shared
+        self.timeout_s = timeout_s
+        self._http = traced_async_client(timeout=timeout_s)
+        self._channel: grpc.aio.Channel | None = None
+        self._buffer_stub: Any = None
+
+    @property
+    def _buffer(self) -> Any:
+        """The buffer stub, its channel created on first use: a grpc.aio channel binds to the running event loop,
+        and the controller is built before `asyncio.run` starts the loop that serves it."""
+        if self._buffer_stub is None and self.shared.buffer_address:
+            self._channel = create_channel(self.shared.buffer_address)
+            self._buffer_stub = buffer_pb2_grpc.BufferServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        return self._buffer_stub
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def register(self, job_id: str, spec: JobSpec) -> None:
+        """Session-server job config, then the buffer's job queue (both idempotent)."""
+        if self.shared.session_url:
+            body = {
+                "model_path": spec.model.path,
+                "model_family": spec.model.family,
+                "engine_pool": engine_pool_of(job_id),
+                "chat_template_kwargs": spec.model.chat_template_kwargs,
+            }
+            await self._session_call("PUT", job_id, body)
+        if self._buffer is not None:
+            config = buffer_pb2.JobBufferConfig(stale_policy=buffer_pb2.STALE_POLICY_DROP)
+            request = buffer_pb2.ConfigureJobRequest(job_id=job_id, config=config)
+            await self._grpc(self._buffer.ConfigureJob, request)
+
+    async def unregister(self, job_id: str) -> None:
+        """Remove the job's session config and buffer queue (nothing there is fine)."""
+        if self.shared.session_url:
+            await self._session_call("DELETE", job_id, None, missing_ok=True)
+        if self._buffer is not None:
+            await self._grpc(self._buffer.DeleteJob, buffer_pb2.DeleteJobRequest(job_id=job_id))
+
+    async def router_stats(self, job_id: str) -> dict[str, float]:
+        """`prefix_hit_rate` (and the token counters) of the job's engine pool; {} when unknown."""
+        if not self.shared.router_url:
+            return {}
+        url = f"{self.shared.router_url.rstrip('/')}/admin/v1/stats"
+        try:
+            response = await self._http.get(url, params={"pool": engine_pool_of(job_id)})
+        except httpx.HTTPError:
+            return {}
+        if response.status_code != 200:
+            return {}
+        stats: dict[str, Any] = response.json()
+        wanted = ("prefix_hit_rate", "prompt_tokens_total", "cached_tokens_total", "num_healthy_engines")
+        return {key: float(stats[key]) for key in wanted if isinstance(stats.get(key), (int, float))}
+
+    async def _session_call(
+        self, method: str, job_id: str, body: dict[str, Any] | None, *, missing_ok: bool = False
+    ) -> None:
+        url = f"{self.shared.session_url.rstrip('/')}/v1/jobs/{job_id}/config"
+        headers = {}
+        if self.shared.session_operator_token:
+            headers["authorization"] = f"Bearer {self.shared.session_operator_token}"
+        try:
+            response = await self._http.request(method, url, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise UnavailableError(
+                f"session server unreachable at {self.shared.session_url}: {type(exc).__name__}: {exc}",
+                retry_after_s=2.0,
+            ) from exc
+        if response.status_code < 300 or (missing_ok and response.status_code == 404):
+            return
+        error_class = error_class_for_http_status(response.status_code)
+        raise error_class(f"session server answered {response.status_code} to {method} {url}: {response.text[:300]}")
+
+    async def _grpc(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            error: MilesError = error_from_rpc_error(exc)
+            raise error from exc

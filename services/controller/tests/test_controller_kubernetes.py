@@ -1,0 +1,363 @@
+"""The Kubernetes backend with the official client against a fake Kubernetes API (test code: no cluster here).
+
+The fake speaks the few REST paths the backend uses, validates every object it is asked to create with
+`kubernetes_validate` (Kubernetes 1.34, strict), keeps Deployment/StatefulSet status, and garbage-collects owned
+objects when their owner is deleted, as the real API server does. The templates are the chart's own, rendered
+with helm. Trainer rank 0 is a small gRPC server in the test (pods do not run without a kubelet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import kubernetes_validate
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from kubernetes import client as k8s
+
+from miles.common.errors import FailedPreconditionError
+from miles.common.jobspec.job import JobSpec
+from miles.common.jobspec.rollout import RolloutSpec
+from miles.common.jobspec.trainer import TrainConfig
+from miles.common.serve import serve_async
+from miles.common.testing.helm import render_chart
+from miles.common.testing.ports import free_port
+from miles.controller.backends.base import SharedServices
+from miles.controller.backends.kubernetes import KubernetesJobBackend
+from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+pytestmark = pytest.mark.integration
+KUBERNETES_VERSION = "1.34"
+NAMESPACE = "miles"
+TEMPLATES = "miles-job-templates"
+_PATH_RE = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?$")
+WORKLOADS = {"deployments", "statefulsets"}
+
+
+def _status(code: int, reason: str, message: str) -> JSONResponse:
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "reason": reason,
+        "code": code,
+        "message": message,
+    }
+    return JSONResponse(body, status_code=code)
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        elif value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+
+
+class FakeKubernetesApi:
+    """Objects by (group/version, resource, namespace, name); a log of every request."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.num_validated = 0
+        self._versions = itertools.count(1)
+        self.app = FastAPI()
+        self.app.add_api_route("/{path:path}", self.handle, methods=["GET", "POST", "PATCH", "DELETE"])
+
+    def add(self, group_version: str, resource: str, obj: dict[str, Any]) -> None:
+        self.objects[
+            (group_version, resource, obj["metadata"].get("namespace", NAMESPACE), obj["metadata"]["name"])
+        ] = obj
+
+    def of_job(self, job_id: str) -> list[dict[str, Any]]:
+        return [
+            obj for obj in self.objects.values() if obj["metadata"].get("labels", {}).get("miles.dev/job") == job_id
+        ]
+
+    async def handle(self, request: Request) -> JSONResponse:
+        path = request.url.path
+        self.requests.append((request.method, path))
+        match = _PATH_RE.match(path)
+        if match is None:
+            return _status(404, "NotFound", f"no route {path}")
+        group_version, namespace, resource, name = match.groups()
+        if request.method == "POST":
+            return self._create(group_version, namespace, resource, await request.json())
+        key = (group_version, resource, namespace, name or "")
+        if name is None:
+            return self._list(group_version, namespace, resource, request.query_params.get("labelSelector", ""))
+        if key not in self.objects:
+            return _status(404, "NotFound", f"{resource} {name} not found")
+        if request.method == "GET":
+            return JSONResponse(self.objects[key])
+        if request.method == "PATCH":
+            _merge(self.objects[key], json.loads(await request.body()))
+            self._settle(resource, self.objects[key])
+            return JSONResponse(self.objects[key])
+        deleted = self.objects.pop(key)
+        self._collect_garbage(deleted["metadata"]["uid"])
+        return JSONResponse({"kind": "Status", "apiVersion": "v1", "status": "Success"})
+
+    def _create(self, group_version: str, namespace: str, resource: str, obj: dict[str, Any]) -> JSONResponse:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            return _status(422, "Invalid", f"{obj.get('kind')} {obj['metadata'].get('name')}: {exc.message}")
+        self.num_validated += 1
+        key = (group_version, resource, namespace, obj["metadata"]["name"])
+        if key in self.objects:
+            return _status(409, "AlreadyExists", f"{resource} {obj['metadata']['name']} already exists")
+        stored = copy.deepcopy(obj)
+        stored["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), resourceVersion=str(next(self._versions)))
+        self._settle(resource, stored)
+        self.objects[key] = stored
+        return JSONResponse(stored, status_code=201)
+
+    def _settle(self, resource: str, obj: dict[str, Any]) -> None:
+        """What the workload controllers and kubelet would do: every replica ready at once."""
+        if resource in WORKLOADS:
+            replicas = int(obj["spec"].get("replicas", 1))
+            obj["status"] = {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}
+
+    def _list(self, group_version: str, namespace: str, resource: str, selector: str) -> JSONResponse:
+        wanted = dict(part.split("=", 1) for part in selector.split(",") if part)
+        items = [
+            obj
+            for (gv, res, ns, _), obj in self.objects.items()
+            if (gv, res, ns) == (group_version, resource, namespace)
+            and all(obj["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+        ]
+        return JSONResponse({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": "1"}, "items": items})
+
+    def _collect_garbage(self, owner_uid: str) -> None:
+        for key, obj in list(self.objects.items()):
+            owned = any(ref["uid"] == owner_uid for ref in obj["metadata"].get("ownerReferences", []))
+            if owned and self.objects.pop(key, None) is not None:
+                self._collect_garbage(obj["metadata"]["uid"])
+
+
+class FakeTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """Trainer rank 0's Status, as the real trainer answers it."""
+
+    def __init__(self) -> None:
+        self.state = trainer_pb2.TRAINER_STATE_TRAINING
+        self.step = 0
+        self.error = ""
+
+    async def Status(self, request: Any, context: Any) -> trainer_pb2.StatusResponse:
+        return trainer_pb2.StatusResponse(
+            state=self.state,
+            step=self.step,
+            weight_version=self.step,
+            error=self.error,
+            last_step_metrics={"reward_mean": 0.5, "staleness_mean": 1.0},
+        )
+
+
+@pytest.fixture(scope="module")
+def job_templates(repo_root_module: Path) -> dict[str, str]:
+    objects = render_chart(repo_root_module / "helm" / "miles", namespace=NAMESPACE)
+    (config_map,) = [obj for obj in objects if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == TEMPLATES]
+    return dict(config_map["data"])
+
+
+@pytest.fixture(scope="module")
+def repo_root_module(request: pytest.FixtureRequest) -> Path:
+    return Path(request.config.rootpath)
+
+
+@contextlib.asynccontextmanager
+async def fake_cluster(
+    templates: dict[str, str] | None,
+) -> AsyncIterator[tuple[FakeKubernetesApi, FakeTrainer, KubernetesJobBackend]]:
+    api = FakeKubernetesApi()
+    if templates is not None:
+        api.add(
+            "api/v1",
+            "configmaps",
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": TEMPLATES, "namespace": NAMESPACE, "uid": "t"},
+                "data": templates,
+            },
+        )
+    stop = asyncio.Event()
+    port = free_port()
+    server = asyncio.create_task(
+        serve_async(http_app=api.app, http_port=port, stop_event=stop, handle_signals=False, grace_s=1.0)
+    )
+    trainer = FakeTrainer()
+    grpc_server = grpc.aio.server()
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(trainer, grpc_server)
+    trainer_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    configuration = k8s.Configuration(host=f"http://127.0.0.1:{port}")
+    shared = SharedServices(
+        "redis://r:6379/0", "http://router:8082", "", "http://session:8081", "tok", "buffer:50051", "sandbox:50061", ""
+    )
+    backend = KubernetesJobBackend(
+        k8s.ApiClient(configuration),
+        namespace=NAMESPACE,
+        templates_config_map=TEMPLATES,
+        shared=shared,
+        trainer_address=lambda _: f"127.0.0.1:{trainer_port}",
+    )
+    for _ in range(200):
+        if server.done():
+            await server  # re-raises a start-up failure
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            break
+        await asyncio.sleep(0.02)
+    try:
+        yield api, trainer, backend
+    finally:
+        await backend.close()
+        await grpc_server.stop(0)
+        stop.set()
+        await server
+
+
+def _spec(controller_kit: Any, **changes: Any) -> JobSpec:
+    body = controller_kit.job_spec_body(num_steps=3)
+    body["resources"] = {
+        "engines": {"replicas": 2, "kind": "sglang", "gpus_per_replica": 1},
+        "rollout_workers": {"replicas": 2},
+        "trainer": {"replicas": 1, "gpus_per_replica": 1},
+    }
+    body.update(changes)
+    return JobSpec.model_validate(body)
+
+
+async def test_start_creates_valid_objects_owned_by_the_spec_config_map_and_adopts_on_restart(
+    job_templates: dict[str, str], controller_kit: Any
+) -> None:
+    async with fake_cluster(job_templates) as (api, _, backend):
+        spec = _spec(controller_kit)
+        await backend.start("jk8s0000001", spec)
+        created = api.of_job("jk8s0000001")
+        kinds = sorted(obj["kind"] for obj in created)
+        assert kinds.count("Deployment") >= 3 and "StatefulSet" in kinds and "ConfigMap" in kinds
+        posts = [path for method, path in api.requests if method == "POST"]
+        assert posts[0].endswith("/configmaps")  # the owner first
+        (owner,) = [obj for obj in created if obj["kind"] == "ConfigMap"]
+        assert owner["metadata"]["name"] == "miles-jk8s0000001-spec"
+        for obj in created:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            if obj is not owner:
+                refs = obj["metadata"]["ownerReferences"]
+                assert [(ref["kind"], ref["name"], ref["uid"]) for ref in refs] == [
+                    ("ConfigMap", owner["metadata"]["name"], owner["metadata"]["uid"])
+                ]
+        assert api.num_validated == len(created)
+        assert json.dumps(created).count("${") == 0
+        data = owner["data"]
+        assert RolloutSpec.model_validate(json.loads(data["rollout.json"])["rollout"]) == spec.rollout
+        assert TrainConfig.model_validate(json.loads(data["trainer.json"])["train"]).num_steps == 3
+        assert JobSpec.model_validate(json.loads(data["spec.json"])) == spec
+        (engine,) = [
+            obj
+            for obj in created
+            if obj["kind"] == "Deployment" and obj["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+        ]
+        assert engine["spec"]["replicas"] == 2
+
+        await backend.start("jk8s0000001", spec)  # a restarted controller adopts: nothing new, nothing fails
+        assert sorted(obj["metadata"]["uid"] for obj in api.of_job("jk8s0000001")) == sorted(
+            obj["metadata"]["uid"] for obj in created
+        )
+
+
+async def test_observe_reads_pools_and_the_trainer_status(job_templates: dict[str, str], controller_kit: Any) -> None:
+    async with fake_cluster(job_templates) as (_, trainer, backend):
+        spec = _spec(controller_kit)
+        await backend.start("jk8s0000002", spec)
+        trainer.step = 1
+        progress = await backend.observe("jk8s0000002", spec)
+        assert progress.phase == "running" and progress.step == 1 and progress.weight_version == 1
+        assert progress.pools == {"engines": 2, "rollout_workers": 2, "trainer": 1}
+        assert progress.metrics["reward_mean"] == 0.5
+        trainer.state, trainer.step = trainer_pb2.TRAINER_STATE_FINISHED, 3
+        assert (await backend.observe("jk8s0000002", spec)).phase == "succeeded"
+        trainer.state, trainer.error = trainer_pb2.TRAINER_STATE_FAILED, "CUDA out of memory"
+        failed = await backend.observe("jk8s0000002", spec)
+        assert failed.phase == "failed" and "CUDA out of memory" in failed.error
+
+
+async def test_resize_patches_replicas_and_stop_deletes_every_object_of_that_job_only(
+    job_templates: dict[str, str], controller_kit: Any
+) -> None:
+    async with fake_cluster(job_templates) as (api, _, backend):
+        spec = _spec(controller_kit)
+        await backend.start("jk8s0000003", spec)
+        await backend.start("jk8s0000004", spec)
+        await backend.resize("jk8s0000003", spec, engines=4, rollout_workers=1)
+        progress = await backend.observe("jk8s0000003", spec)
+        assert progress.pools["engines"] == 4 and progress.pools["rollout_workers"] == 1
+        assert (await backend.observe("jk8s0000004", spec)).pools["engines"] == 2
+        other_job = sorted(obj["metadata"]["uid"] for obj in api.of_job("jk8s0000004"))
+        await backend.stop("jk8s0000003")
+        assert api.of_job("jk8s0000003") == []
+        assert sorted(obj["metadata"]["uid"] for obj in api.of_job("jk8s0000004")) == other_job
+        await backend.stop("jk8s0000003")  # idempotent
+        gone = await backend.observe("jk8s0000003", spec)
+        assert gone.phase == "failed" and "was deleted" in gone.error
+
+
+async def test_missing_templates_is_a_clear_non_retryable_error(controller_kit: Any) -> None:
+    async with fake_cluster(None) as (_, _, backend):
+        with pytest.raises(FailedPreconditionError, match="job templates"):
+            await backend.start("jk8s0000005", _spec(controller_kit))
+
+
+async def test_an_object_the_api_refuses_is_a_non_retryable_error(
+    job_templates: dict[str, str], controller_kit: Any
+) -> None:
+    broken = dict(job_templates)
+    broken["zz-broken.yaml"] = (
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: miles-${JOB_ID}-broken\n"
+        "  labels: {miles.dev/job: ${JOB_ID}}\nspec:\n  bogusField: 1\n"
+    )
+    async with fake_cluster(broken) as (api, _, backend):
+        with pytest.raises(FailedPreconditionError, match="bogusField"):
+            await backend.start("jk8s0000006", _spec(controller_kit))
+        assert not any(obj["metadata"]["name"].endswith("-broken") for obj in api.of_job("jk8s0000006"))
+
+
+async def test_controller_runs_a_job_to_success_on_the_kubernetes_backend(
+    job_templates: dict[str, str], redis_url: str, controller_kit: Any
+) -> None:
+    kit = controller_kit
+    async with (
+        fake_cluster(job_templates) as (api, trainer, backend),
+        kit.running(kit.make_settings(redis_url), backend) as client,
+    ):
+        body = kit.job_spec_body(num_steps=3)
+        job_id = (await client.post("/v1/jobs", json=body)).json()["job_id"]
+        await kit.wait_for_state(client, job_id, "RUNNING")
+        assert api.of_job(job_id)
+        response = await client.patch(f"/v1/jobs/{job_id}", json={"engines": 3})
+        assert response.status_code == 202
+        await kit.wait_until(
+            lambda: any(obj["kind"] == "Deployment" and obj["spec"]["replicas"] == 3 for obj in api.of_job(job_id))
+        )
+        trainer.state, trainer.step = trainer_pb2.TRAINER_STATE_FINISHED, 3
+        job = await kit.wait_for_state(client, job_id, "SUCCEEDED", "FAILED")
+        assert job["state"] == "SUCCEEDED" and job["step"] == 3 and job["reward"] == 0.5
+        assert api.of_job(job_id) == []

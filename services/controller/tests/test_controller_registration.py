@@ -1,0 +1,119 @@
+"""The controller registers a job with the real shared services (session server, buffer) before its backend
+starts, and unregisters it on DELETE. Real subprocesses and Redis; the backend is the test's fake."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from miles.buffer.client import BufferClient
+from miles.common.errors import InvalidArgumentError
+from miles.common.jobspec.job import JobSpec
+from miles.common.testing.ports import free_port
+from miles.common.testing.processes import ServiceProcess
+from miles.common.testing.smoke import console_script
+from miles.session.tito.assets import bundled_tokenizer_dir
+
+pytestmark = pytest.mark.integration
+OPERATOR_TOKEN = "operator-token-0123456789abcdef0123"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A Hugging Face layout the session server can load a tokenizer from (Qwen3's real tokenizer files)."""
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(bundled_tokenizer_dir("qwen3") / name, folder / name)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 151936}))
+    return folder
+
+
+@pytest.fixture
+def shared_services(redis_url: str, tmp_path: Path) -> Iterator[dict[str, str]]:
+    buffer_port, buffer_metrics_port, session_port = free_port(), free_port(), free_port()
+    buffer = ServiceProcess(
+        [console_script("miles-buffer")],
+        ready_url=f"http://127.0.0.1:{buffer_metrics_port}/readyz",
+        env={
+            "MILES_BUFFER_REDIS_URL": redis_url,
+            "MILES_BUFFER_PORT": str(buffer_port),
+            "MILES_BUFFER_METRICS_PORT": str(buffer_metrics_port),
+        },
+        log_path=tmp_path / "buffer.log",
+    )
+    session = ServiceProcess(
+        [console_script("miles-session-server")],
+        ready_url=f"http://127.0.0.1:{session_port}/readyz",
+        env={
+            "MILES_SESSION_REDIS_URL": redis_url,
+            "MILES_SESSION_PORT": str(session_port),
+            "MILES_SESSION_OPERATOR_TOKEN": OPERATOR_TOKEN,
+            "MILES_SESSION_UPSTREAM_URL": f"http://127.0.0.1:{free_port()}",
+        },
+        log_path=tmp_path / "session.log",
+    )
+    with buffer, session:
+        yield {"buffer_address": f"127.0.0.1:{buffer_port}", "session_url": f"http://127.0.0.1:{session_port}"}
+
+
+async def _buffer_knows(address: str, job_id: str) -> bool:
+    async with BufferClient(address) as client:
+        try:
+            await client.pull_batch(job_id, num_groups=1, trainer_version=0, max_staleness=1, lease_s=10)
+        except InvalidArgumentError:
+            return False
+    return True
+
+
+async def test_job_is_registered_before_the_backend_starts_and_unregistered_on_delete(
+    redis_url: str, shared_services: dict[str, str], model_dir: Path, controller_kit: Any
+) -> None:
+    kit = controller_kit
+    session_url = shared_services["session_url"]
+    operator = {"authorization": f"Bearer {OPERATOR_TOKEN}"}
+    seen_at_start: dict[str, Any] = {}
+
+    class CheckingBackend(kit.FakeBackend):  # type: ignore[misc, name-defined]
+        async def start(self, job_id: str, spec: JobSpec) -> None:
+            async with httpx.AsyncClient() as http:
+                seen_at_start["config"] = (
+                    await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)
+                ).json()
+            seen_at_start["buffer"] = await _buffer_knows(shared_services["buffer_address"], job_id)
+            await super().start(job_id, spec)
+
+    settings = kit.make_settings(redis_url, session_operator_token=OPERATOR_TOKEN, **shared_services)
+    body = kit.job_spec_body(num_steps=2)
+    body["model"] = {"path": str(model_dir), "family": "qwen3", "chat_template_kwargs": {"enable_thinking": False}}
+    async with kit.running(settings, CheckingBackend()) as client:
+        job_id = (await client.post("/v1/jobs", json=body)).json()["job_id"]
+        await kit.wait_for_state(client, job_id, "SUCCEEDED")
+        assert seen_at_start["config"]["engine_pool"] == job_id
+        assert seen_at_start["config"]["model_path"] == str(model_dir)
+        assert seen_at_start["config"]["chat_template_kwargs"] == {"enable_thinking": False}
+        assert seen_at_start["buffer"] is True
+        assert (await client.delete(f"/v1/jobs/{job_id}")).status_code == 204
+        async with httpx.AsyncClient() as http:
+            gone = await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)
+        assert gone.status_code == 404
+        assert await _buffer_knows(shared_services["buffer_address"], job_id) is False
+
+
+async def test_unreachable_shared_service_is_retried_then_fails_the_job(redis_url: str, controller_kit: Any) -> None:
+    kit = controller_kit
+    backend = kit.FakeBackend()
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = kit.make_settings(redis_url, session_url=dead, max_start_attempts=3, shared_call_timeout_s=1.0)
+    async with kit.running(settings, backend) as client:
+        job_id = (await client.post("/v1/jobs", json=kit.job_spec_body())).json()["job_id"]
+        job = await kit.wait_for_state(client, job_id, "FAILED")
+        assert "session server unreachable" in job["errors"][-1]
+        assert sum("start attempt" in error for error in job["errors"]) == 2
+        assert ("start", job_id) not in backend.calls  # never started without its registration
