@@ -87,8 +87,13 @@ lock:
 	{ echo "# Every installed distribution, pinned (make lock). Used as pip constraints by make setup and the images."; \
 	  $(PIP) freeze --exclude-editable | sed -e 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/' | grep -v '^-e '; } > $(CONSTRAINTS)
 
-run:
-	@echo "make run is built by the [controller] issue"; exit 2
+# The whole platform locally with the calculator tool-use demo (scripts/demo.py): builds the demo model when
+# missing, miles up, the job in fully-async mode, reward table and the final `demo ...` line, then miles down.
+# `make run DEMO_ARGS=--keep-up` leaves the platform running.
+DEMO_ARGS ?=
+
+run: $(PY)
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 # bench/<name>.py is `make bench-<name>`; `make bench` runs them all. Each prints ratios measured in one run
 # and writes bench/results/<name>.json.

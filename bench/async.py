@@ -1,0 +1,229 @@
+"""make bench-async: samples/s of the same job in sync and fully-async mode (max staleness 2), long-tail episodes.
+
+The platform is the real one (`miles up` in a scratch home: redis, buffer, sandbox gateway, router, session
+server, controller with the local backend) and each job runs its real per-job processes (engine, weight-sync,
+rollout worker, trainer). What is simulated is the engine's speed: `miles-engine --fake-model` with a fixed cost
+per generated and per prefilled token (a stand-in for a GPU engine; the real CPU engine would measure this
+machine's two cores, not the scheduling), over the demo model's small vocabulary so that the real trainer trains
+on what it samples. The task is long-tailed: each prompt's episode makes `turns` model calls with `turns` drawn
+from a Pareto distribution (alpha 1.1, capped at 24), so a few episodes are much longer than the rest.
+
+Per mode: one job of NUM_STEPS steps; samples/s = trained samples between step TIMED_FROM_STEP and the last step
+over the time between them (start-up and its backlog excluded); engine idle fraction = share of 0.25 s polls of
+the engine's `num_running_reqs` gauge that read 0 over the same window. Prints `async_vs_sync=<ratio>` and writes
+bench/results/async.json.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+
+from miles.controller.cli_follow import iter_events  # noqa: E402
+from miles.controller.cli_platform import Layout, start_platform, stop_platform  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "async.json"
+NUM_STEPS = 12
+TIMED_FROM_STEP = 4
+"""Steps before this one are not timed: the trainer starts after the rollout worker, so the first steps of an
+async job eat a backlog generated during start-up (a sync job drops it as stale)."""
+GROUPS_PER_STEP = 2
+SAMPLES_PER_PROMPT = 4
+DECODE_COST_S = 0.01
+PREFILL_COST_S = 0.0002
+MAX_TURNS = 24
+MAX_LIVE_EPISODES = 8
+"""Two groups in flight: a sync step waits for the slower of its two fresh groups (the long tail), async does not."""
+
+
+def write_dataset(path: Path, *, num_rows: int = 200, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    turns = [min(MAX_TURNS, int(rng.paretovariate(1.1))) for _ in range(num_rows)]
+    with path.open("w") as handle:
+        for index, num_turns in enumerate(turns):
+            messages = [{"role": "user", "content": f"Task {index}: think it through step by step."}]
+            handle.write(json.dumps({"prompt": messages, "label": "0", "turns": num_turns}) + "\n")
+    return turns
+
+
+def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
+    return {
+        "name": f"bench-async-{mode}",
+        "model": {"path": str(model_dir), "chat_template_kwargs": {"enable_thinking": False}},
+        "rollout": {
+            "dataset": {"path": str(dataset), "num_epochs": None},
+            "agent": {"function": "_async_agent:agent", "python_path": [str(REPO_ROOT / "bench")], "timeout_s": 600},
+            "reward": {
+                "type": "function",
+                "function": "_async_agent:reward",
+                "python_path": [str(REPO_ROOT / "bench")],
+            },
+            "n_samples_per_prompt": SAMPLES_PER_PROMPT,
+            "request_kwargs": {"temperature": 1.0, "max_tokens": 8},
+            "max_seq_len": 2048,
+            "concurrency": {"max_live_episodes": MAX_LIVE_EPISODES},
+        },
+        "train": {
+            "mode": mode,
+            "max_staleness": 2,
+            "batch_size_groups": GROUPS_PER_STEP,
+            "num_steps": NUM_STEPS,
+            "checkpoint_interval_steps": NUM_STEPS,
+            "pull_wait_s": 0.5,
+            "optimizer": {"lr": 1e-4},
+        },
+        "resources": {
+            "engines": {
+                "replicas": 1,
+                "extra_args": [
+                    "--fake-model",
+                    "--fake-decode-token-cost-s",
+                    str(DECODE_COST_S),
+                    "--fake-prefill-token-cost-s",
+                    str(PREFILL_COST_S),
+                    "--fake-eos-probability",
+                    "0.1",
+                ],
+            }
+        },
+    }
+
+
+class IdlePoller:
+    """Polls the job's engine `num_running_reqs` every 0.25 s (engine URL from the local backend's state file)."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.job_dir = job_dir
+        self.samples: list[tuple[float, bool]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> IdlePoller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _engine_url(self) -> str | None:
+        state_file = self.job_dir / "state.json"
+        if not state_file.is_file():
+            return None
+        try:
+            processes = json.loads(state_file.read_text())["processes"]
+        except (ValueError, KeyError):
+            return None
+        urls = [p.get("url") for p in processes if p.get("role") == "engine"]
+        return urls[0] if urls else None
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while not self._stop.wait(0.25):
+                url = self._engine_url()
+                if url is None:
+                    continue
+                try:
+                    text = client.get(f"{url}/metrics").text
+                except httpx.HTTPError:
+                    continue
+                match = re.search(r"^\S*num_running_reqs(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
+                if match:
+                    self.samples.append((time.monotonic(), float(match.group(1)) == 0.0))
+
+    def idle_fraction(self, start: float, end: float) -> float | None:
+        window = [idle for at, idle in self.samples if start <= at <= end]
+        return sum(window) / len(window) if window else None
+
+
+def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any]) -> dict[str, Any]:
+    job = client.post("/v1/jobs", json=spec)
+    job.raise_for_status()
+    job_id = job.json()["job_id"]
+    poller = IdlePoller(layout.controller_state_dir / "jobs" / job_id).start()
+    step_seen_at: dict[int, float] = {}
+    final = "?"
+    try:
+        for event in iter_events(client, job_id):
+            if event.type == "progress" and event.data.get("step", 0) > 0:
+                step_seen_at.setdefault(int(event.data["step"]), time.monotonic())
+                print(f"  {spec['train']['mode']}: step {event.data['step']}", flush=True)
+            if event.type == "state":
+                final = str(event.data.get("state"))
+    finally:
+        poller.stop()
+    steps = sorted(s for s in step_seen_at if s >= TIMED_FROM_STEP)
+    if final != "SUCCEEDED" or len(steps) < 2:
+        raise RuntimeError(f"job {job_id} ended {final} after steps {steps}: {client.get(f'/v1/jobs/{job_id}').text}")
+    first, last = steps[0], steps[-1]
+    window_s = step_seen_at[last] - step_seen_at[first]
+    samples = (last - first) * GROUPS_PER_STEP * SAMPLES_PER_PROMPT
+    return {
+        "job_id": job_id,
+        "steps_timed": [first, last],
+        "window_s": round(window_s, 2),
+        "samples_per_s": round(samples / window_s, 3),
+        "engine_idle_fraction": poller.idle_fraction(step_seen_at[first], step_seen_at[last]),
+    }
+
+
+def main() -> None:
+    from calculator_tool.warmup import build_demo_model
+
+    scratch = Path(tempfile.mkdtemp(prefix="miles-bench-async-"))
+    model_dir = build_demo_model(scratch / "model", warm=False)
+    turns = write_dataset(scratch / "data.jsonl")
+    layout = Layout(scratch / "home")
+    state = start_platform(layout)
+    results: dict[str, Any] = {}
+    try:
+        with httpx.Client(base_url=state.controller_url, timeout=60, trust_env=False) as client:
+            for mode in ("sync", "async"):
+                print(f"{mode}: {NUM_STEPS} steps", flush=True)
+                results[mode] = run_job(client, layout, job_spec(model_dir, scratch / "data.jsonl", mode))
+    finally:
+        stop_platform(layout)
+    ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    mean_turns = sum(turns) / len(turns)
+    report = {
+        "benchmark": "async vs sync: samples/s of the same long-tail tool-turn job, max staleness 2",
+        "engine": f"miles-engine --fake-model, {DECODE_COST_S}s/decoded token, {PREFILL_COST_S}s/prefilled token",
+        "task": f"turns per episode ~ min({MAX_TURNS}, Pareto(1.1)): mean {mean_turns:.2f}, max {max(turns)}",
+        "steps": NUM_STEPS,
+        "timed_from_step": TIMED_FROM_STEP,
+        "max_live_episodes": MAX_LIVE_EPISODES,
+        "groups_per_step": GROUPS_PER_STEP,
+        "samples_per_prompt": SAMPLES_PER_PROMPT,
+        **results,
+        "async_vs_sync": round(ratio, 2),
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": _cpus()},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    for mode in ("sync", "async"):
+        r = results[mode]
+        print(f"{mode}: samples_per_s={r['samples_per_s']} engine_idle_fraction={r['engine_idle_fraction']}")
+    print(f"async_vs_sync={ratio:.2f}")
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`make run`: the whole platform on this machine with the calculator tool-use demo job, end to end.
+
+    python scripts/demo.py [--spec examples/calculator_tool/job.yaml] [--home .miles] [--keep-up]
+
+1. builds the demo model (`examples/calculator_tool/warmup.py`: tiny Qwen3 architecture, small-vocabulary Qwen3
+   tokenizer, a short supervised warm-up) at the spec's `model.path` when it is missing;
+2. `miles up` (unless a platform is already up under --home, which is then reused and left up);
+3. submits the job (fully-async GRPO) and follows it live until it ends;
+4. prints the reward per step and the final line
+   `demo reward_first=<a> reward_last=<b> steps=<n> staleness_mean=<s> prefix_hit=<h> tito_critical=<c>`,
+   where reward_first / reward_last are the mean rewards of the first / last three steps the controller reported;
+5. `miles down` (the platform it started is stopped; `--keep-up` leaves it running for `miles status` etc.).
+
+Exit status 0 when the job SUCCEEDED, the reward rose by at least --min-rise and tito_critical is 0; else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+
+from miles.controller.cli import console, controller_client, follow_job  # noqa: E402
+from miles.controller.cli_follow import JobWatch, reward_table  # noqa: E402
+from miles.controller.cli_platform import Layout, load_state, service_health, start_platform, stop_platform  # noqa: E402
+
+NUM_EDGE_STEPS = 3
+"""reward_first / reward_last average this many steps (one step is 32 episodes: noisy on its own)."""
+
+
+def ensure_model(path: Path) -> None:
+    if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
+        console.print(f"demo model: {path} (exists)")
+        return
+    from calculator_tool.warmup import build_demo_model
+
+    started = time.monotonic()
+    console.print(f"building the demo model at {path} (tiny Qwen3 + warm-up) ...")
+    build_demo_model(path)
+    console.print(f"demo model built in {time.monotonic() - started:.0f}s")
+
+
+def ensure_platform(layout: Layout) -> bool:
+    """Start the platform unless one is up; returns True when this run started it."""
+    state = load_state(layout)
+    if state is not None and all(service_health(r) == "ready" for r in state.services.values()):
+        console.print(f"reusing the platform under {layout.home}: {state.controller_url}")
+        return False
+    if state is not None:
+        stop_platform(layout)
+    started = time.monotonic()
+    with console.status("miles up"):
+        state = start_platform(layout, on_ready=lambda r: console.print(f"  ready {r.name:<10} {r.url}"))
+    console.print(f"platform up in {time.monotonic() - started:.0f}s: controller {state.controller_url}")
+    return True
+
+
+def edge_mean(rewards: dict[int, float], *, last: bool) -> float:
+    steps = sorted(rewards)
+    chosen = steps[-NUM_EDGE_STEPS:] if last else steps[:NUM_EDGE_STEPS]
+    return sum(rewards[s] for s in chosen) / max(1, len(chosen))
+
+
+def summary_line(watch: JobWatch, job: dict[str, Any]) -> str:
+    staleness = list(watch.staleness_by_step.values())
+    prefix_hit = job.get("prefix_hit_rate")
+    tito = job.get("tito_mismatches")
+    return (
+        f"demo reward_first={edge_mean(watch.rewards_by_step, last=False):.3f} "
+        f"reward_last={edge_mean(watch.rewards_by_step, last=True):.3f} steps={job.get('step', watch.step)} "
+        f"staleness_mean={sum(staleness) / max(1, len(staleness)):.2f} "
+        f"prefix_hit={0.0 if prefix_hit is None else prefix_hit:.3f} tito_critical={int(tito or 0)}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    spec = yaml.safe_load(args.spec.read_text())
+    model_path = Path(spec["model"]["path"])
+    model_path = model_path if model_path.is_absolute() else REPO_ROOT / model_path
+    spec["model"]["path"] = str(model_path)  # the per-job processes need not share our working directory
+    ensure_model(model_path)
+    layout = Layout(args.home)
+    started_platform = ensure_platform(layout)
+    try:
+        with controller_client(args.home, None) as client:
+            response = client.post("/v1/jobs", json=spec)
+            if response.status_code != 201:
+                console.print(f"[red]submit failed {response.status_code}:[/] {response.text}")
+                return 1
+            job = response.json()
+            console.print(f"submitted job {job['job_id']} ({spec.get('name', '')}, {spec['train']['mode']} mode)")
+            watch = follow_job(client, job["job_id"], num_steps=int(job["num_steps"]))
+            job = client.get(f"/v1/jobs/{job['job_id']}").json()
+        console.print(reward_table(watch))
+        if job["state"] != "SUCCEEDED":
+            console.print(f"[red]job {job['job_id']} {job['state']}[/]: {job.get('errors')}")
+            return 1
+        line = summary_line(watch, job)
+        rise = edge_mean(watch.rewards_by_step, last=True) - edge_mean(watch.rewards_by_step, last=False)
+        console.print(f"wall time {time.monotonic() - started:.0f}s")
+        print(line, flush=True)
+        return 0 if rise >= args.min_rise and "tito_critical=0" in line else 1
+    finally:
+        if started_platform and not args.keep_up:
+            stopped = stop_platform(layout)
+            console.print(f"platform stopped ({', '.join(stopped)})")
+        elif not started_platform:
+            console.print("platform left up (it was up before make run)")
+        else:
+            console.print(f"platform left up (--keep-up): miles status --home {args.home}; miles down to stop")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", type=Path, default=REPO_ROOT / "examples/calculator_tool/job.yaml")
+    parser.add_argument("--home", type=Path, default=REPO_ROOT / ".miles")
+    parser.add_argument("--keep-up", action="store_true", help="leave the platform running afterwards")
+    parser.add_argument("--min-rise", type=float, default=0.2, help="reward_last - reward_first needed to pass")
+    sys.exit(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
