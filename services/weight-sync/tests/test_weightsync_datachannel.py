@@ -90,14 +90,14 @@ async def fetch(address: str, num_connections: int, timeout_s: float | None = 10
     return {name: bytes(raw) for name, raw in published.data.items()}, path
 
 
-async def open_offer(address: str, num_connections: int = 1) -> pb.DataChannelOffer:
+async def open_offer(address: str, num_connections: int = 1) -> pb.OpenDataChannelResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_unary(
             f"/{SERVICE_NAME}/OpenDataChannel",
             request_serializer=pb.OpenDataChannelRequest.SerializeToString,
-            response_deserializer=pb.DataChannelOffer.FromString,
+            response_deserializer=pb.OpenDataChannelResponse.FromString,
         )
-        offer: pb.DataChannelOffer = await call(
+        offer: pb.OpenDataChannelResponse = await call(
             pb.OpenDataChannelRequest(job_id=JOB, version=0, num_connections=num_connections)
         )
     return offer

@@ -107,7 +107,7 @@ class DaemonClient:
         elif data_timeout_s is not None:
             request = pb.OpenDataChannelRequest(job_id=job_id, version=version, num_connections=num_connections)
             try:
-                offer: pb.DataChannelOffer = await self.stub.OpenDataChannel(request)
+                offer: pb.OpenDataChannelResponse = await self.stub.OpenDataChannel(request)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _NO_DATA_CHANNEL:
                     raise mapped_error(exc) from exc

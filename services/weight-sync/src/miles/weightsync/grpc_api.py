@@ -206,11 +206,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
 
     async def OpenDataChannel(
         self, request: pb.OpenDataChannelRequest, context: grpc.aio.ServicerContext
-    ) -> pb.DataChannelOffer:
+    ) -> pb.OpenDataChannelResponse:
         self.core.check_job(request.job_id)
         offer = await self.core.open_data_channel(request.version, max(1, request.num_connections))
         weights = offer.weights
-        return pb.DataChannelOffer(
+        return pb.OpenDataChannelResponse(
             host=self.core.settings.data_host,
             port=offer.port,
             token=offer.token,
@@ -269,7 +269,7 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
         "OpenDataChannel": grpc.unary_unary_rpc_method_handler(
             servicer.OpenDataChannel,
             request_deserializer=pb.OpenDataChannelRequest.FromString,
-            response_serializer=pb.DataChannelOffer.SerializeToString,
+            response_serializer=pb.OpenDataChannelResponse.SerializeToString,
         ),
         "FetchStoredVersion": grpc.unary_stream_rpc_method_handler(
             servicer.FetchStoredVersion,
