@@ -283,6 +283,11 @@ class RecordingProxy(_ThreadServer):
                     async for line in reply.aiter_lines():
                         if line.startswith("data: {"):
                             last = json.loads(line[len("data: ") :])
+                        if line.startswith("data: [DONE]") and last is not None:
+                            # Recorded before [DONE] reaches the caller: once it has, the turn is over and the
+                            # test may read the recording before this generator runs again.
+                            self.record(body["input_ids"], last)
+                            last = None
                         yield line + "\n"
                 await client.aclose()
                 if last is not None:
