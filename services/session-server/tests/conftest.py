@@ -278,20 +278,16 @@ class RecordingProxy(_ThreadServer):
                 return Response(reply.content, status_code=reply.status_code, media_type="application/json")
 
             async def events() -> Any:
-                last: dict[str, Any] | None = None
                 async with client.stream("POST", "/generate", json=body) as reply:
                     async for line in reply.aiter_lines():
                         if line.startswith("data: {"):
-                            last = json.loads(line[len("data: ") :])
-                        if line.startswith("data: [DONE]") and last is not None:
-                            # Recorded before [DONE] reaches the caller: once it has, the turn is over and the
-                            # test may read the recording before this generator runs again.
-                            self.record(body["input_ids"], last)
-                            last = None
+                            chunk = json.loads(line[len("data: ") :])
+                            if chunk["meta_info"].get("finish_reason") is not None:
+                                # Recorded before the final chunk reaches the caller: the session server may close
+                                # the stream as soon as it has it, cancelling this generator before [DONE].
+                                self.record(body["input_ids"], chunk)
                         yield line + "\n"
                 await client.aclose()
-                if last is not None:
-                    self.record(body["input_ids"], last)
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
