@@ -113,6 +113,43 @@ async def test_new_requests_join_a_running_batch(make_engine: MakeEngine) -> Non
     assert alone["output_ids"] == long["output_ids"]
 
 
+async def _generate_together(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Holds the engine while the requests arrive, so they are admitted and decoded as one batch."""
+    await engine.pause("abort")
+    tasks = [
+        asyncio.create_task(generate(engine, input_ids=p, sampling_params=greedy(max_new_tokens, ignore_eos=True)))
+        for p in prompts
+    ]
+    for _ in range(6000):  # polls the scheduler's queue for up to a minute
+        if engine.scheduler.snapshot().num_waiting_reqs == len(prompts):
+            break
+        await asyncio.sleep(0.01)
+    assert engine.scheduler.snapshot().num_waiting_reqs == len(prompts)
+    await engine.resume()
+    await asyncio.gather(*tasks)
+
+
+async def test_forward_cost_is_per_step_and_token_costs_scale_with_the_batch(make_engine: MakeEngine) -> None:
+    """A memory-bound GPU step: 8 requests decoded together cost as many forwards as one alone, each the same."""
+    prompts = [[5, 6, 7, 10 + i] for i in range(8)]
+    slept_s: list[float] = []
+    engine = make_engine(fake_forward_cost_s=0.002)
+    engine.scheduler._runner.sleep = slept_s.append
+    await _generate_together(engine, prompts[:1], 20)
+    num_forwards_alone = len(slept_s)
+    slept_s.clear()
+    await _generate_together(engine, prompts, 20)
+    assert num_forwards_alone >= 20
+    assert len(slept_s) == num_forwards_alone, "the 8 requests were not decoded in shared steps"
+    assert set(slept_s) == {0.002}
+
+    per_token = make_engine(fake_decode_token_cost_s=0.001)
+    slept_s = []
+    per_token.scheduler._runner.sleep = slept_s.append
+    await _generate_together(per_token, prompts, 20)
+    assert max(slept_s) == pytest.approx(8 * 0.001)  # a full decode step costs one token's cost per request
+
+
 async def test_abort_in_waiting_queue_and_while_running(make_engine: MakeEngine) -> None:
     engine = make_engine(max_running_requests=1, fake_decode_token_cost_s=0.01)
     running = asyncio.create_task(generate(engine, input_ids=[1, 2], rid="run-1", sampling_params=greedy(500)))

@@ -6,8 +6,9 @@ LRU eviction and exact cached_tokens); only the numbers are made up:
   random stream when temperature > 0, mapped onto the tokenizer's regular vocabulary (so text decodes), and is
   the end-of-sequence token with probability `fake_eos_probability`;
 - logprobs are hash-derived values in [-5, 0); top-k lists are plausible but made up;
-- a forward sleeps `fake_prefill_token_cost_s` per prompt token computed plus `fake_decode_token_cost_s` per
-  generated token, so cache hits are faster exactly as with a real model.
+- a forward sleeps `fake_forward_cost_s` (whatever its batch, as a memory-bound GPU decode step) plus
+  `fake_prefill_token_cost_s` per prompt token computed plus `fake_decode_token_cost_s` per generated token, so
+  cache hits are faster exactly as with a real model.
 No KV is stored (cache nodes hold None) and torch is never imported: start-up is fast and memory small.
 Weight updates are validated (directory / safetensors headers) and bump the generation, so outputs change.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -60,7 +62,10 @@ class FakeRunner:
         self._eos_per_million = int(settings.fake_eos_probability * 1_000_000)
         self._prefill_cost_s = settings.fake_prefill_token_cost_s
         self._decode_cost_s = settings.fake_decode_token_cost_s
+        self._forward_cost_s = settings.fake_forward_cost_s
         self._generation = 0
+        self.sleep: Callable[[float], None] = time.sleep
+        """How a forward spends its modelled cost (tests record it instead of waiting)."""
 
     def warmup(self) -> None:
         """Nothing to warm up."""
@@ -74,9 +79,9 @@ class FakeRunner:
     def forward(self, items: list[ForwardItem]) -> list[ForwardResult]:
         num_prefill = sum(len(item.token_ids) for item in items if not _is_decode(item))
         num_decode = sum(1 for item in items if _is_decode(item))
-        cost_s = num_prefill * self._prefill_cost_s + num_decode * self._decode_cost_s
+        cost_s = self._forward_cost_s + num_prefill * self._prefill_cost_s + num_decode * self._decode_cost_s
         if cost_s > 0:
-            time.sleep(cost_s)
+            self.sleep(cost_s)
         return [self._forward_one(item) for item in items]
 
     def _forward_one(self, item: ForwardItem) -> ForwardResult:

@@ -66,6 +66,11 @@ class EngineSettings(ServiceSettings):
     fake_decode_token_cost_s: float = Field(default=0.0, ge=0.0)
     """fake_model: seconds spent per generated token (a decode step of 8 requests costs 8 times this)."""
 
+    fake_forward_cost_s: float = Field(default=0.0, ge=0.0)
+    """fake_model: seconds spent per forward (one scheduler step), whatever its batch. A GPU decode step is
+    memory-bound, so its time barely grows with the batch: this cost models that (a lone long-tail request then
+    keeps the engine as busy as a full batch), the per-token costs model the compute-bound part."""
+
     fake_eos_probability: float = Field(default=0.0, ge=0.0, le=1.0)
     """fake_model: chance that a sampled token is the end-of-sequence token."""
 
