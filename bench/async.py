@@ -2,11 +2,13 @@
 
 The platform is the real one (`miles up` in a scratch home: redis, buffer, sandbox gateway, router, session
 server, controller with the local backend) and each job runs its real per-job processes (engine, weight-sync,
-rollout worker, trainer). What is simulated is the engine's speed: `miles-engine --fake-model` with a fixed cost
-per generated and per prefilled token (a stand-in for a GPU engine; the real CPU engine would measure this
-machine's two cores, not the scheduling), over the demo model's small vocabulary so that the real trainer trains
-on what it samples. The task is long-tailed: each prompt's episode makes `turns` model calls with `turns` drawn
-from a Pareto distribution (alpha 1.1, capped at 24), so a few episodes are much longer than the rest.
+rollout worker, trainer). What is simulated is the engine's speed: `miles-engine --fake-model` with a GPU-like
+cost model — a fixed time per forward whatever its batch (decode is memory-bound: a lone long-tail request keeps
+the engine as busy as a full batch) plus a time per prefilled token — in place of the real CPU engine, which would
+measure this machine's two cores, not the scheduling. It runs over the demo model's small vocabulary so that the
+real trainer trains on what it samples. The task is long-tailed: each episode makes `turns` model calls with
+`turns` drawn per episode from a Pareto distribution (alpha 1.1, capped at 24; see _async_agent.py), so a few
+episodes are much longer than the rest.
 
 Per mode: one job of NUM_STEPS steps; samples/s = trained samples between step TIMED_FROM_STEP and the last step
 over the time between them (start-up and its backlog excluded); engine idle fraction = share of 0.25 s polls of
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import json
 import platform
-import random
 import re
 import sys
 import tempfile
@@ -32,31 +33,38 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 
+from _async_agent import ALPHA, MAX_TURNS, num_turns  # noqa: E402
+
 from miles.controller.cli_follow import iter_events  # noqa: E402
 from miles.controller.cli_platform import Layout, start_platform, stop_platform  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async.json"
-NUM_STEPS = 12
+NUM_STEPS = 16
 TIMED_FROM_STEP = 4
 """Steps before this one are not timed: the trainer starts after the rollout worker, so the first steps of an
 async job eat a backlog generated during start-up (a sync job drops it as stale)."""
 GROUPS_PER_STEP = 2
 SAMPLES_PER_PROMPT = 4
-DECODE_COST_S = 0.01
+FORWARD_COST_S = 0.025
+"""Per engine step (prefill or decode), whatever the batch: sized so that an async step's generation takes about
+as long as a CPU training step, so neither side hides the other."""
 PREFILL_COST_S = 0.0002
-MAX_TURNS = 24
+MAX_TOKENS_PER_TURN = 32
+EOS_PROBABILITY = 0.03
+"""About 21 tokens per reply: a turn is one prefill and ~21 decode steps."""
 MAX_LIVE_EPISODES = 8
-"""Two groups in flight: a sync step waits for the slower of its two fresh groups (the long tail), async does not."""
+"""One step's worth of episodes in flight: a sync step then waits for the longest of its 8 (the long tail), async
+does not. With more in flight, a sync job trains on whichever fresh groups finish first (biased to short episodes)
+and is no longer the barrier-synchronous baseline."""
+NUM_ROWS = 200
+MODES = ("sync", "async")
 
 
-def write_dataset(path: Path, *, num_rows: int = 200, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    turns = [min(MAX_TURNS, int(rng.paretovariate(1.1))) for _ in range(num_rows)]
+def write_dataset(path: Path, *, num_rows: int = NUM_ROWS) -> None:
     with path.open("w") as handle:
-        for index, num_turns in enumerate(turns):
+        for index in range(num_rows):
             messages = [{"role": "user", "content": f"Task {index}: think it through step by step."}]
-            handle.write(json.dumps({"prompt": messages, "label": "0", "turns": num_turns}) + "\n")
-    return turns
+            handle.write(json.dumps({"prompt": messages, "label": "0"}) + "\n")
 
 
 def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
@@ -72,7 +80,7 @@ def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
                 "python_path": [str(REPO_ROOT / "bench")],
             },
             "n_samples_per_prompt": SAMPLES_PER_PROMPT,
-            "request_kwargs": {"temperature": 1.0, "max_tokens": 8},
+            "request_kwargs": {"temperature": 1.0, "max_tokens": MAX_TOKENS_PER_TURN},
             "max_seq_len": 2048,
             "concurrency": {"max_live_episodes": MAX_LIVE_EPISODES},
         },
@@ -90,12 +98,12 @@ def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
                 "replicas": 1,
                 "extra_args": [
                     "--fake-model",
-                    "--fake-decode-token-cost-s",
-                    str(DECODE_COST_S),
+                    "--fake-forward-cost-s",
+                    str(FORWARD_COST_S),
                     "--fake-prefill-token-cost-s",
                     str(PREFILL_COST_S),
                     "--fake-eos-probability",
-                    "0.1",
+                    str(EOS_PROBABILITY),
                 ],
             }
         },
@@ -107,7 +115,8 @@ class IdlePoller:
 
     def __init__(self, job_dir: Path) -> None:
         self.job_dir = job_dir
-        self.samples: list[tuple[float, bool]] = []
+        self.samples: list[tuple[float, float]] = []
+        """(monotonic time, the engine's num_running_reqs)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -142,11 +151,15 @@ class IdlePoller:
                     continue
                 match = re.search(r"^\S*num_running_reqs(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
                 if match:
-                    self.samples.append((time.monotonic(), float(match.group(1)) == 0.0))
+                    self.samples.append((time.monotonic(), float(match.group(1))))
 
     def idle_fraction(self, start: float, end: float) -> float | None:
-        window = [idle for at, idle in self.samples if start <= at <= end]
-        return sum(window) / len(window) if window else None
+        window = [running == 0.0 for at, running in self.samples if start <= at <= end]
+        return round(sum(window) / len(window), 3) if window else None
+
+    def mean_running(self, start: float, end: float) -> float | None:
+        window = [running for at, running in self.samples if start <= at <= end]
+        return round(sum(window) / len(window), 2) if window else None
 
 
 def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +190,7 @@ def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any]) -> dict[
         "window_s": round(window_s, 2),
         "samples_per_s": round(samples / window_s, 3),
         "engine_idle_fraction": poller.idle_fraction(step_seen_at[first], step_seen_at[last]),
+        "engine_mean_running_requests": poller.mean_running(step_seen_at[first], step_seen_at[last]),
     }
 
 
@@ -185,13 +199,14 @@ def main() -> None:
 
     scratch = Path(tempfile.mkdtemp(prefix="miles-bench-async-"))
     model_dir = build_demo_model(scratch / "model", warm=False)
-    turns = write_dataset(scratch / "data.jsonl")
+    write_dataset(scratch / "data.jsonl")
+    turns = [num_turns(p, s) for p in range(NUM_ROWS) for s in range(SAMPLES_PER_PROMPT)]
     layout = Layout(scratch / "home")
     state = start_platform(layout)
     results: dict[str, Any] = {}
     try:
         with httpx.Client(base_url=state.controller_url, timeout=60, trust_env=False) as client:
-            for mode in ("sync", "async"):
+            for mode in MODES:
                 print(f"{mode}: {NUM_STEPS} steps", flush=True)
                 results[mode] = run_job(client, layout, job_spec(model_dir, scratch / "data.jsonl", mode))
     finally:
@@ -200,8 +215,8 @@ def main() -> None:
     mean_turns = sum(turns) / len(turns)
     report = {
         "benchmark": "async vs sync: samples/s of the same long-tail tool-turn job, max staleness 2",
-        "engine": f"miles-engine --fake-model, {DECODE_COST_S}s/decoded token, {PREFILL_COST_S}s/prefilled token",
-        "task": f"turns per episode ~ min({MAX_TURNS}, Pareto(1.1)): mean {mean_turns:.2f}, max {max(turns)}",
+        "engine": f"miles-engine --fake-model, {FORWARD_COST_S}s/forward, {PREFILL_COST_S}s/prefilled token",
+        "task": f"turns per episode ~ min({MAX_TURNS}, Pareto({ALPHA})): mean {mean_turns:.2f}, max {max(turns)}",
         "steps": NUM_STEPS,
         "timed_from_step": TIMED_FROM_STEP,
         "max_live_episodes": MAX_LIVE_EPISODES,
@@ -215,7 +230,10 @@ def main() -> None:
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     for mode in ("sync", "async"):
         r = results[mode]
-        print(f"{mode}: samples_per_s={r['samples_per_s']} engine_idle_fraction={r['engine_idle_fraction']}")
+        print(
+            f"{mode}: samples_per_s={r['samples_per_s']} engine_idle_fraction={r['engine_idle_fraction']}"
+            f" engine_mean_running_requests={r['engine_mean_running_requests']}"
+        )
     print(f"async_vs_sync={ratio:.2f}")
 
 
