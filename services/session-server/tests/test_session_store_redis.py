@@ -1,4 +1,5 @@
-"""RedisStore on a real Redis: fenced commits, rollback trimming, lock lease, expiry counted once across replicas."""
+"""RedisStore on a real Redis: fenced commits, rollback trimming, lock lease, expiry counted once across replicas;
+and the memory store's lock."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import redis.asyncio as aioredis
 
 from miles.session.errors import SessionBusyError
 from miles.session.records import CommitOutcome, FinishType, ModelConfig, SessionMeta, TurnCommit, TurnRecord
+from miles.session.store_memory import MemoryStore
 from miles.session.store_redis import RedisStore
 
 
@@ -88,3 +90,21 @@ async def test_expiry_is_counted_once_across_replicas(redis_url: str) -> None:
     assert await replicas[1].get_job_config("job-1") == config
     for replica in replicas:
         await replica.close()
+
+
+async def test_the_memory_store_lock_times_out_busy_and_is_free_after_a_cancelled_waiter() -> None:
+    """The single-replica store's per-session lock: a second holder is told busy; a waiter cancelled while waiting
+    neither takes the lock nor leaves it taken."""
+    store = MemoryStore(lock_wait_s=0.2)
+    await store.create(meta("m1"))
+    async with store.locked_state("m1") as state:
+        assert state is not None
+        with pytest.raises(SessionBusyError):
+            async with store.locked_state("m1"):
+                pass
+        waiter = asyncio.create_task(store.commit("m1", commit(0, 0, [1, 2], 2)))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    assert await store.commit("m1", commit(0, 0, [1, 2], 2)) is CommitOutcome.COMMITTED

@@ -36,6 +36,7 @@ from miles.buffer.validation import (
     check_pull,
 )
 from miles.buffer.wire import len_field
+from miles.common.aio import wait_event
 from miles.proto.common.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,7 @@ class _Signals:
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout_s)
+    await wait_event(event, timeout_s)
 
 
 class Buffer:

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from miles.common.aio import wait_event
 from miles.common.errors import MilesError
 from miles.controller.backends.base import JobBackend, JobProgress
 from miles.controller.errors import IllegalTransitionError, JobNotFoundError
@@ -42,15 +43,6 @@ def _describe(exc: BaseException) -> str:
 
 class _JobEndedError(Exception):
     """Internal: the job reached a terminal state (or was deleted); its task ends."""
-
-
-async def _wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
-    """Until `event` is set or `timeout_s` passed. `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for`
-    can swallow a cancellation that arrives as its timeout fires, and a supervise loop that misses its
-    cancellation never ends (the controller then hangs at shutdown)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
 
 
 class Supervisor:
@@ -91,7 +83,7 @@ class Supervisor:
             except Exception:  # the loop must outlive any one bad tick: jobs depend on it
                 log.exception("supervisor tick failed unexpectedly")
             self._wake_loop.clear()
-            await _wait_at_most(self._wake_loop, tick_s)
+            await wait_event(self._wake_loop, tick_s)
 
     async def _tick(self) -> None:
         self.is_leader = await self.store.acquire_lease(self.holder_id, self.settings.leader_lease_s)
@@ -136,7 +128,7 @@ class Supervisor:
                 event = self._wake_events.get(job_id)
                 if event is None:
                     return
-                await _wait_at_most(event, self.settings.observe_interval_s)
+                await wait_event(event, self.settings.observe_interval_s)
                 event.clear()
         except _JobEndedError:
             return

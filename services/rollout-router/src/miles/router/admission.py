@@ -15,6 +15,7 @@ import asyncio
 import collections
 from dataclasses import dataclass, field
 
+from miles.common.aio import wait_event
 from miles.router.errors import BackpressureError
 
 
@@ -126,11 +127,9 @@ class EngineSlots:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is in flight or queued; returns whether that happened within timeout_s."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return self.is_idle()
-        return True
+        if await wait_event(self._idle, timeout_s):
+            return True
+        return self.is_idle()
 
     def _start(self, num_tokens: int) -> None:
         self.num_in_flight += 1

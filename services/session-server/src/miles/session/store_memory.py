@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from miles.common.aio import acquire_within
 from miles.session.errors import SessionBusyError
 from miles.session.records import CommitOutcome, ModelConfig, SessionMeta, SessionState, TurnCommit, TurnRecord
 from miles.session.store import ReapResult
@@ -89,9 +90,7 @@ class MemoryStore:
     @contextlib.asynccontextmanager
     async def _lock(self, session_id: str) -> AsyncIterator[None]:
         lock = self._locks.setdefault(session_id, asyncio.Lock())
-        try:
-            await asyncio.wait_for(lock.acquire(), timeout=self._lock_wait_s)
-        except TimeoutError:
+        if not await acquire_within(lock, self._lock_wait_s):
             raise SessionBusyError(
                 f"session {session_id} is busy (its lock stayed taken for {self._lock_wait_s:g} s); retry",
                 retry_after_s=1.0,

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import re
 import signal
 import time
 from pathlib import Path
 from typing import Any
+
+from miles.common.aio import wait_event
 
 log = logging.getLogger("miles.controller.local_bridge")
 VERSION_DIR = re.compile(r"^weights-v(\d+)$")
@@ -117,8 +118,7 @@ async def run(args: argparse.Namespace) -> None:
                 await bridge.run_once()
             except Exception as exc:  # the daemon may be restarting; a directory may vanish: try again
                 log.warning("bridge pass failed: %s: %s", type(exc).__name__, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=args.poll_interval_s)
+            await wait_event(stop, args.poll_interval_s)
 
 
 def main(argv: list[str] | None = None) -> None:
