@@ -67,6 +67,9 @@ class FakeBackend:
     auto_step: bool = True
     closed: int = 0
 
+    async def check_spec(self, spec: JobSpec) -> None:
+        self.calls.append(("check_spec", spec.name))
+
     async def start(self, job_id: str, spec: JobSpec) -> None:
         self.calls.append(("start", job_id))
         if self.fail_start:

@@ -35,6 +35,7 @@ from miles.common.testing.helm import render_chart
 from miles.common.testing.ports import free_port
 from miles.controller.backends.base import SharedServices
 from miles.controller.backends.kubernetes import KubernetesJobBackend
+from miles.controller.job_templates import engine_kind_of
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -326,6 +327,26 @@ async def test_missing_templates_is_a_clear_non_retryable_error(controller_kit: 
             await backend.start("jk8s0000005", _spec(controller_kit))
 
 
+async def test_a_job_asking_for_the_engine_kind_the_chart_does_not_run_is_refused_before_creating_anything(
+    job_templates: dict[str, str], controller_kit: Any
+) -> None:
+    assert engine_kind_of(job_templates) == "sglang"  # the chart's default
+    spec = _spec(controller_kit)
+    cpu_engines = spec.model_copy(
+        update={
+            "resources": spec.resources.model_copy(
+                update={"engines": spec.resources.engines.model_copy(update={"kind": "cpu", "gpus_per_replica": 0})}
+            )
+        }
+    )
+    async with fake_cluster(job_templates) as (api, _, backend):
+        with pytest.raises(FailedPreconditionError, match=r"engines\.kind='cpu'.*runs 'sglang' engines"):
+            await backend.start("jk8s0000007", cpu_engines)
+        assert api.of_job("jk8s0000007") == []
+        await backend.start("jk8s0000008", spec)  # the kind the chart runs is accepted
+        assert api.of_job("jk8s0000008")
+
+
 async def test_an_object_the_api_refuses_is_a_non_retryable_error(
     job_templates: dict[str, str], controller_kit: Any
 ) -> None:
@@ -349,6 +370,11 @@ async def test_controller_runs_a_job_to_success_on_the_kubernetes_backend(
         kit.running(kit.make_settings(redis_url), backend) as client,
     ):
         body = kit.job_spec_body(num_steps=3)
+        refused = await client.post("/v1/jobs", json=body)  # cpu engines; the chart runs SGLang
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["field"] == "resources.engines.kind"
+        assert (await client.get("/v1/jobs")).json()["jobs"] == []
+        body["resources"] = {"engines": {"replicas": 2, "kind": "sglang", "gpus_per_replica": 1}}
         job_id = (await client.post("/v1/jobs", json=body)).json()["job_id"]
         await kit.wait_for_state(client, job_id, "RUNNING")
         assert api.of_job(job_id)

@@ -133,5 +133,5 @@ async def test_only_the_lease_holder_supervises_when_two_replicas_share_redis(
             await kit.wait_for_state(second, other, "RUNNING")
             cancelled = await second.post(f"/v1/jobs/{job_id}/cancel")  # served by the replica without the lease
             assert cancelled.json()["state"] == "CANCELLED"
-        assert second_backend.calls == []
+        assert [call for call in second_backend.calls if call[0] != "check_spec"] == []  # it only vetted a spec
         assert ("start", other) in first_backend.calls and ("stop", job_id) in first_backend.calls

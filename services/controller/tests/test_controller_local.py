@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from miles.common.errors import InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.common.testing import RedisServer, ServiceProcess, free_port, wait_for_http_ready
 from miles.common.testing.smoke import console_script
@@ -321,6 +322,14 @@ def test_specs_the_local_backend_cannot_run_fail_without_starting_anything(
     assert progress.phase == "failed" and reason in progress.error
     assert backend.pids("job-bad") == {}
     run(backend.close())
+
+
+def test_the_local_backend_refuses_sglang_engines_at_submission(tmp_path: Path) -> None:
+    backend = LocalJobBackend(SharedServices("redis://127.0.0.1:1/0", "", "", "", "", "", "", ""), tmp_path)
+    with pytest.raises(InvalidArgumentError, match="needs the kubernetes backend") as refused:
+        asyncio.run(backend.check_spec(job_spec(Path("/m"), resources={"engines": {"kind": "sglang"}})))
+    assert refused.value.field == "resources.engines.kind"
+    asyncio.run(backend.check_spec(job_spec(Path("/m"))))  # cpu engines: accepted
 
 
 def test_bridge_publishes_every_version_in_order_and_fills_gaps(tmp_path: Path) -> None:

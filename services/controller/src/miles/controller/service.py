@@ -40,6 +40,7 @@ class JobService:
     async def submit(self, spec: JobSpec, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Store a new PENDING job; returns (job, created). With an idempotency key already used for the same
         spec, returns that job and created=False."""
+        await self.supervisor.backend.check_spec(spec)
         now = time.time()
         record = JobRecord(job_id=new_job_id(), spec=spec, state=JobState.PENDING, created_at_s=now, updated_at_s=now)
         canonical = spec.model_dump_json().encode()

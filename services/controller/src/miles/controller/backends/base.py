@@ -66,6 +66,11 @@ class JobBackend(Protocol):
     name: str
     """`local` or `kubernetes`."""
 
+    async def check_spec(self, spec: JobSpec) -> None:
+        """Raise InvalidArgumentError when this backend cannot run `spec` (called at submission, so the caller gets
+        a 400 and nothing is stored); facts it cannot read now are left for `start` to report."""
+        ...
+
     async def start(self, job_id: str, spec: JobSpec) -> None:
         """Create the job's per-job resources; idempotent: adopts what already runs for `job_id`."""
         ...

@@ -30,13 +30,14 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from miles.common.errors import FailedPreconditionError, UnavailableError
+from miles.common.errors import FailedPreconditionError, InvalidArgumentError, MilesError, UnavailableError
 from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import JobProgress, SharedServices
 from miles.controller.job_templates import (
     JobAddresses,
     JobTemplateParams,
+    engine_kind_of,
     instantiate_job_templates,
     job_spec_config_map,
     owned_by,
@@ -93,6 +94,21 @@ def template_params(job_id: str, spec: JobSpec) -> JobTemplateParams:
         rollout_worker_replicas=resources.rollout_workers.replicas,
         trainer_replicas=resources.trainer.replicas,
         trainer_gpus=resources.trainer.gpus_per_replica,
+    )
+
+
+def _engine_kind_problem(templates: Mapping[str, str], spec: JobSpec) -> str:
+    """Why the chart cannot run `spec`'s engines ("" when it can). The chart decides the engine implementation for
+    the release; a job asking for the other one is refused before anything is created (running it on the wrong
+    engine would silently change what it measures)."""
+    chart_kind = engine_kind_of(templates)
+    wanted = spec.resources.engines.kind
+    if not chart_kind or chart_kind == wanted:
+        return ""
+    return (
+        f"the job asks for resources.engines.kind={wanted!r} but this release's chart runs {chart_kind!r} engines "
+        f"(jobTemplates.engine.kind); submit it with kind {chart_kind!r} or install the chart with "
+        f"jobTemplates.engine.kind={wanted}"
     )
 
 
@@ -181,8 +197,20 @@ class KubernetesJobBackend:
             self._job_templates[job_id] = await self.templates()
         return self._job_templates[job_id]
 
+    async def check_spec(self, spec: JobSpec) -> None:
+        try:
+            templates = await self.templates()
+        except MilesError:  # the API or the chart's ConfigMap is not there now: start says so, with retries
+            return
+        problem = _engine_kind_problem(templates, spec)
+        if problem:
+            raise InvalidArgumentError(problem, field="resources.engines.kind")
+
     async def start(self, job_id: str, spec: JobSpec) -> None:
         templates = self._job_templates[job_id] = await self.templates()
+        problem = _engine_kind_problem(templates, spec)  # the chart may have changed since submission
+        if problem:
+            raise FailedPreconditionError(problem)
         params = template_params(job_id, spec)
         spec_config_map = job_spec_config_map(templates, params, spec_files(spec))
         created_owner = await self._create_or_read(spec_config_map)

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from miles.common.errors import InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends import local_layout as layout
 from miles.controller.backends.base import JobPhase, JobProgress, SharedServices
@@ -82,6 +83,14 @@ class LocalJobBackend:
         self._last_pool_check: dict[str, float] = {}
 
     # --- JobBackend ------------------------------------------------------------------------------------------
+    async def check_spec(self, spec: JobSpec) -> None:
+        if spec.resources.engines.kind != "cpu":
+            raise InvalidArgumentError(
+                f"resources.engines.kind={spec.resources.engines.kind!r} needs the kubernetes backend "
+                "(the local backend runs miles-engine: kind 'cpu')",
+                field="resources.engines.kind",
+            )
+
     async def start(self, job_id: str, spec: JobSpec) -> None:
         async with self._lock(job_id):
             job = self._load(job_id)
