@@ -81,7 +81,10 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         "/v1/jobs",
         status_code=201,
         response_model=JobView,
-        responses={200: {"model": JobView, "description": "Replay: the job an earlier request with this key made"}},
+        responses={
+            200: {"model": JobView, "description": "Replay: the job an earlier request with this key made"},
+            400: {"description": "A valid spec this controller's backend cannot run (e.g. resources.engines.kind)"},
+        },
         summary="Submit a job",
     )
     async def submit_job(
