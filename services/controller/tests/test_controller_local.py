@@ -324,12 +324,21 @@ def test_specs_the_local_backend_cannot_run_fail_without_starting_anything(
     run(backend.close())
 
 
-def test_the_local_backend_refuses_sglang_engines_at_submission(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"weight_sync": {"transport": "nccl"}}, "weight_sync.transport"),
+        ({"resources": {"engines": {"kind": "sglang"}}}, "resources.engines.kind"),
+    ],
+)
+def test_the_local_backend_refuses_what_it_cannot_run_at_submission(
+    tmp_path: Path, overrides: dict[str, Any], field: str
+) -> None:
     backend = LocalJobBackend(SharedServices("redis://127.0.0.1:1/0", "", "", "", "", "", "", ""), tmp_path)
-    with pytest.raises(InvalidArgumentError, match="needs the kubernetes backend") as refused:
-        asyncio.run(backend.check_spec(job_spec(Path("/m"), resources={"engines": {"kind": "sglang"}})))
-    assert refused.value.field == "resources.engines.kind"
-    asyncio.run(backend.check_spec(job_spec(Path("/m"))))  # cpu engines: accepted
+    with pytest.raises(InvalidArgumentError, match="local backend") as refused:
+        asyncio.run(backend.check_spec(job_spec(Path("/m"), **overrides)))
+    assert refused.value.field == field
+    asyncio.run(backend.check_spec(job_spec(Path("/m"))))  # cpu engines, a local transport: accepted
 
 
 def test_bridge_publishes_every_version_in_order_and_fills_gaps(tmp_path: Path) -> None:

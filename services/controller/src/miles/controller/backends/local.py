@@ -84,12 +84,10 @@ class LocalJobBackend:
 
     # --- JobBackend ------------------------------------------------------------------------------------------
     async def check_spec(self, spec: JobSpec) -> None:
-        if spec.resources.engines.kind != "cpu":
-            raise InvalidArgumentError(
-                f"resources.engines.kind={spec.resources.engines.kind!r} needs the kubernetes backend "
-                "(the local backend runs miles-engine: kind 'cpu')",
-                field="resources.engines.kind",
-            )
+        problem = layout.unsupported(spec)
+        if problem is not None:
+            field, why = problem
+            raise InvalidArgumentError(why, field=field)
 
     async def start(self, job_id: str, spec: JobSpec) -> None:
         async with self._lock(job_id):
@@ -234,7 +232,11 @@ class LocalJobBackend:
         return job
 
     def _plan(self, job: LocalJob, spec: JobSpec) -> None:
-        """The records of every process of a new job (nothing is started here)."""
+        """The records of every process of a new job (nothing is started here); ValueError for a spec the local
+        backend cannot run (one accepted before check_spec existed, or by another controller version)."""
+        problem = layout.unsupported(spec)
+        if problem is not None:
+            raise ValueError(problem[1])
         job.job_dir.mkdir(parents=True, exist_ok=True)
         engines = [layout.engine_record(job.job_dir, spec, i) for i in range(spec.resources.engines.replicas)]
         weightsync = layout.weightsync_record(

@@ -44,12 +44,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> str:
     return str(path)
 
 
-def engine_record(job_dir: Path, spec: JobSpec, index: int) -> ProcessRecord:
+def unsupported(spec: JobSpec) -> tuple[str, str] | None:
+    """(field, why) for the first part of `spec` the local backend cannot run; None when it can run all of it."""
     if spec.resources.engines.kind != "cpu":
-        raise ValueError(
-            f"engines.kind {spec.resources.engines.kind!r} needs the kubernetes backend "
-            "(the local backend runs miles-engine: kind 'cpu')"
+        kind = spec.resources.engines.kind
+        return "resources.engines.kind", (
+            f"engines.kind {kind!r} needs the kubernetes backend (the local backend runs miles-engine: kind 'cpu')"
         )
+    if spec.weight_sync.transport not in LOCAL_TRANSPORTS:
+        return "weight_sync.transport", (
+            f"weight transport {spec.weight_sync.transport!r} is not supported by the local backend "
+            f"(use one of {', '.join(LOCAL_TRANSPORTS)})"
+        )
+    return None
+
+
+def engine_record(job_dir: Path, spec: JobSpec, index: int) -> ProcessRecord:
     port = free_port()
     argv = [
         console_script("miles-engine"),
@@ -78,11 +88,6 @@ def weightsync_record(
     job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, engine_urls: list[str]
 ) -> ProcessRecord:
     """The job's weight-sync origin loading `engine_urls` (rebuilt, same ports, when the engine set changes)."""
-    if spec.weight_sync.transport not in LOCAL_TRANSPORTS:
-        raise ValueError(
-            f"weight transport {spec.weight_sync.transport!r} is not supported by the local backend "
-            f"(use one of {', '.join(LOCAL_TRANSPORTS)})"
-        )
     port, metrics_port = free_port(), free_port()
     record = ProcessRecord(
         name="weightsync",
