@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -251,14 +252,27 @@ async def test_4_flush_cache_only_when_idle_and_abort_by_prefix_or_all(engine: A
         assert response.status_code == 200 and response.text.startswith("Cache flushed.")
 
 
+async def wait_until_running(client: httpx.AsyncClient, timeout_s: float = 30.0) -> None:
+    """Until the engine reports a request in its running batch (admitted and prefilled or decoding)."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get("/v1/loads")).json()["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never started running"
+        await asyncio.sleep(0.01)
+
+
+# Long enough that the request is still decoding when the pause lands (~2 HTTP round trips after it was seen
+# running): ~1 s of decoding on the tiny model, against milliseconds.
+PAUSED_REQUEST_TOKENS = 200
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 async def test_4_pause_and_continue_in_each_mode(engine: Any, mode: str) -> None:
     prompt = fresh_prompt()
-    reference = engine.generate(input_ids=prompt, sampling_params=greedy(60, ignore_eos=True))
+    params = greedy(PAUSED_REQUEST_TOKENS, ignore_eos=True)
+    reference = engine.generate(input_ids=prompt, sampling_params=params)
     async with httpx.AsyncClient(base_url=engine.url, timeout=120) as client:
-        body = {"input_ids": prompt, "sampling_params": greedy(60, ignore_eos=True)}
-        in_flight = asyncio.create_task(client.post("/generate", json=body))
-        await asyncio.sleep(0.3)
+        in_flight = asyncio.create_task(client.post("/generate", json={"input_ids": prompt, "sampling_params": params}))
+        await wait_until_running(client)
         paused = await client.post("/pause_generation", json={"mode": mode})
         try:
             assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
@@ -276,6 +290,7 @@ async def test_4_pause_and_continue_in_each_mode(engine: Any, mode: str) -> None
         assert (await held).json()["meta_info"]["completion_tokens"] == 2
     if mode == "abort":
         assert result["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(result["output_ids"]) < PAUSED_REQUEST_TOKENS
         assert result["output_ids"] == reference["output_ids"][: len(result["output_ids"])]
     else:
         assert result["output_ids"] == reference["output_ids"]

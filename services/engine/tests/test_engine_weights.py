@@ -185,3 +185,32 @@ def test_min_weight_version_is_a_retryable_409_until_the_engine_serves_it(engine
     assert (
         httpx.post(f"{engine.url}/generate", json={**request, "min_weight_version": 5}, timeout=60).status_code == 200
     )
+
+
+def test_staged_update_is_held_until_applied_and_a_stale_stage_is_refused(engine: Any) -> None:
+    """/stage_weights_from_tensor decodes and validates while the engine serves the old weights; only
+    /apply_staged_weights swaps them in (with the version); a bad batch or an unknown stage changes nothing."""
+    engine.post("/update_weight_version", {"new_version": "s0"})
+    before = greedy(engine, OTHER)
+    chunks = [b64_safetensors({"model.norm.weight": torch.full((64,), 2.5)})]
+    chunks.append(b64_safetensors({"model.layers.1.input_layernorm.weight": torch.full((64,), 0.25)}))
+    for chunk in chunks:
+        staged = engine.post("/stage_weights_from_tensor", {"serialized_named_tensors": [chunk], "stage_id": "v7-a"})
+        assert staged.json()["success"] is True, staged.text
+    held = greedy(engine, OTHER)
+    assert held["output_ids"] == before["output_ids"] and held["meta_info"]["weight_version"] == "s0"
+    unknown = b64_safetensors({"model.layers.99.nope": torch.zeros(2)})
+    bad = engine.post("/stage_weights_from_tensor", {"serialized_named_tensors": [unknown], "stage_id": "v7-a"})
+    assert bad.status_code == 400 and bad.json()["success"] is False
+    stale = engine.post("/apply_staged_weights", {"stage_id": "v6-old", "weight_version": "6"})
+    assert stale.status_code == 400 and "nothing is staged" in stale.json()["message"]
+    assert greedy(engine, OTHER)["meta_info"]["weight_version"] == "s0"
+    applied = engine.post("/apply_staged_weights", {"stage_id": "v7-a", "weight_version": "7"})
+    assert applied.json() == {
+        "success": True,
+        "message": "Succeeded to update model weights. Weight version updated to 7.",
+    }
+    after = greedy(engine, OTHER)
+    assert after["meta_info"]["weight_version"] == "7" and after["output_ids"] != before["output_ids"]
+    again = engine.post("/apply_staged_weights", {"stage_id": "v7-a", "weight_version": "7"})
+    assert again.status_code == 400  # a stage is applied once

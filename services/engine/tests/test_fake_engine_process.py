@@ -4,6 +4,7 @@ imported, so start-up is fast and memory small, and cached_tokens follows the sa
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,36 @@ def test_fake_engine_speaks_the_protocol_without_torch(tiny_model_dir: Path, eng
         again = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10, "temperature": 0})
         assert again["meta_info"]["weight_version"] == "7"
         assert again["output_ids"] != first["output_ids"], "new weights give new (fake) outputs"
+        checker = engine.post("/weights_checker", {"action": "checksum"})
+        assert checker.status_code == 400 and checker.json()["success"] is False
+        assert "fake model" in checker.json()["message"]
+        assert "libtorch" not in Path(f"/proc/{engine.process.pid}/maps").read_text()
+        update_over_a_group(engine)
+        third = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10, "temperature": 0})
+        assert third["meta_info"]["weight_version"] == "8" and third["output_ids"] != again["output_ids"]
+
+
+def update_over_a_group(engine: Any) -> None:
+    """A distributed update of the fake model: the tensors are really received (torch is loaded only now)."""
+    import torch
+    import torch.distributed as dist
+
+    from miles.common.testing import free_port
+    from miles.model import init_custom_process_group
+
+    port = free_port()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    announce = {"names": ["any.name"], "dtypes": ["float32"], "shapes": [[2, 3]], "weight_version": "8"}
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.post, "/init_weights_update_group", body)
+        group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group", 60.0)
+        assert joined.result().json()["success"] is True
+        updated = pool.submit(engine.post, "/update_weights_from_distributed", announce)
+        dist.broadcast(tensor, src=0, group=group)
+        assert updated.result().json()["success"] is True
+    assert engine.post("/destroy_weights_update_group", {}).json()["success"] is True
+    dist.destroy_process_group(group)
 
 
 def test_a_client_leaving_a_stream_aborts_its_request(tiny_model_dir: Path, engine_factory: Any) -> None:

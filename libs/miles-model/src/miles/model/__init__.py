@@ -24,9 +24,11 @@ from miles.model.kernels import DETERMINISTIC_BLOCK_ROWS, single_threaded
 from miles.model.kv_cache import KVBlock, SequenceKV
 from miles.model.logprobs import block_logprobs, row_blocks, sequence_logprobs, target_logprobs
 from miles.model.transformer import CausalLM, Segment
+from miles.model.update_group import UPDATE_GROUP_BACKENDS, init_custom_process_group
 
 __all__ = [
     "DETERMINISTIC_BLOCK_ROWS",
+    "UPDATE_GROUP_BACKENDS",
     "CausalLM",
     "KVBlock",
     "ModelConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "check_named_tensors",
     "decode_safetensors_bytes",
     "encode_safetensors_bytes",
+    "init_custom_process_group",
     "init_random_weights",
     "load_model",
     "load_named_tensors",

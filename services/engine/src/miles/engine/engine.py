@@ -1,9 +1,10 @@
 """The engine core as the HTTP layer sees it: async operations over the scheduler thread (no web framework).
 
 `Engine` validates and plans /generate bodies, submits sequences, turns the scheduler's updates into SGLang
-response objects (whole or streamed), and runs the control operations (abort, pause/continue, weight updates,
-flush, health generation). The scheduler's updates arrive through `loop.call_soon_threadsafe` into one queue per
-request. Leaving a request early (client gone, task cancelled) aborts its unfinished sequences.
+response objects (whole or streamed), and runs the control operations (abort, pause/continue, weight updates
+from disk, tensors or a weight-update group, weight checksums, flush, health generation). The scheduler's
+updates arrive through `loop.call_soon_threadsafe` into one queue per request. Leaving a request early (client
+gone, task cancelled) aborts its unfinished sequences.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from miles.common.errors import MilesError
-from miles.engine.errors import BadRequestError, WeightVersionBehindError
+from miles.engine.distributed import UpdateGroups
+from miles.engine.errors import BadRequestError, WeightsCheckError, WeightUpdateError, WeightVersionBehindError
 from miles.engine.output import ResponseBuilder
 from miles.engine.planning import GeneratePlan, Limits, PlannedSequence, plan_generate
-from miles.engine.protocol import GenerateRequest
+from miles.engine.protocol import GenerateRequest, UpdateWeightsFromDistributedBody
 from miles.engine.requests import LogprobOptions, SamplingParams, Sequence, SeqUpdate
-from miles.engine.runner import Runner
+from miles.engine.runner import Checksum, Runner
 from miles.engine.scheduler import Scheduler
 from miles.engine.tokenizer import TextTokenizer
-from miles.engine.weights import decode_payloads
+from miles.engine.weights import FLOAT_DTYPE_BYTES, check_tensor_specs, decode_payloads
 
 _Updates = asyncio.Queue[tuple[int, SeqUpdate]]
 
@@ -35,11 +37,21 @@ class EngineInternalError(MilesError):
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: TextTokenizer, limits: Limits) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        tokenizer: TextTokenizer,
+        limits: Limits,
+        update_groups: UpdateGroups,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.limits = limits
+        self.update_groups = update_groups
+        self._staged_id = ""
+        self._staged: list[Any] = []
         self._inflight_rids: set[str] = set()
 
     # ---- generation -----------------------------------------------------------------------------------------
@@ -202,6 +214,61 @@ class Engine:
         prepared = await asyncio.to_thread(self.runner.prepare_weights_from_tensors, payloads)
         return await self._apply(prepared, weight_version, abort_all, flush_cache, "tensor")
 
+    async def stage_weights_from_tensor(self, serialized: list[str], load_format: str | None, stage_id: str) -> int:
+        """Decode and validate tensors now, while generation goes on, and hold them under `stage_id` (a miles
+        extension: the weight-sync daemon stages a version before it pauses the engine, so that the pause only
+        swaps). Batches of one stage accumulate; a new stage id drops the previous stage. Returns the tensors
+        staged so far. Raises WeightUpdateError (nothing of that batch is kept)."""
+        if not stage_id:
+            raise WeightUpdateError("stage_id is empty")
+        payloads = decode_payloads(serialized, load_format)
+        prepared = await asyncio.to_thread(self.runner.prepare_weights_from_tensors, payloads)
+        if self._staged_id != stage_id:
+            self._staged_id, self._staged = stage_id, []
+        self._staged.append(prepared)
+        return sum(len(p) for p in self._staged if isinstance(p, dict))
+
+    async def apply_staged_weights(
+        self, stage_id: str, *, weight_version: str | None, abort_all: bool, flush_cache: bool
+    ) -> int:
+        """Swap in what was staged under `stage_id` as /update_weights_from_tensor would (immediately when paused);
+        raises WeightUpdateError when nothing is staged under it (e.g. the engine restarted since)."""
+        if not stage_id or stage_id != self._staged_id:
+            raise WeightUpdateError(f"nothing is staged under {stage_id!r}; stage the tensors again")
+        staged, self._staged_id, self._staged = self._staged, "", []
+        if all(isinstance(p, dict) for p in staged):
+            merged: dict[str, Any] = {}
+            for part in staged:
+                merged.update(part)
+            return await self._apply(merged, weight_version, abort_all, flush_cache, "staged")
+        for index, part in enumerate(staged):
+            last = index == len(staged) - 1
+            num_paused = await self._apply(
+                part, weight_version if last else None, abort_all, flush_cache and last, "staged"
+            )
+        return num_paused
+
+    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributedBody) -> None:
+        """Receive the announced tensors over the group (generation goes on meanwhile), then apply them as
+        /update_weights_from_tensor does. Raises WeightUpdateError: at once on bad input; after receiving (every
+        broadcast consumed, so the trainer is not left hanging) on names or shapes the model does not have."""
+        if body.load_format is not None:
+            raise WeightUpdateError(f"load_format {body.load_format!r} is not supported (use null)")
+        specs = check_tensor_specs(body.names, body.dtypes, body.shapes, self.runner.max_update_bytes)
+        group = self.update_groups.claim(body.group_name)
+
+        async def receive_and_apply() -> None:
+            try:
+                received = await self.update_groups.receive(group, specs)
+                prepared = await asyncio.to_thread(self.runner.prepare_weights_from_named, received)
+                await self._apply(
+                    prepared, body.weight_version, body.abort_all_requests, body.flush_cache, "distributed"
+                )
+            finally:
+                self.update_groups.release(group)
+
+        await self.update_groups.run_to_completion(receive_and_apply())
+
     async def _apply(
         self, prepared: Any, weight_version: str | None, abort_all: bool, flush_cache: bool, source: str
     ) -> int:
@@ -212,6 +279,13 @@ class Engine:
         )
         await asyncio.wrap_future(future)
         return num_paused
+
+    async def weights_checksum(self, dtype: str | None) -> tuple[str, Checksum]:
+        """(weight_version, checksum) of the served weights, both read at the same point between steps."""
+        if dtype is not None and dtype not in FLOAT_DTYPE_BYTES:
+            raise WeightsCheckError(f"dtype {dtype!r} is not supported; use one of {', '.join(FLOAT_DTYPE_BYTES)}")
+        version, snapshot = await asyncio.wrap_future(self.scheduler.weights_snapshot())
+        return version, await asyncio.to_thread(self.runner.weights_checksum, snapshot, dtype)
 
     async def update_weight_version(self, version: str, abort_all: bool) -> None:
         await asyncio.wrap_future(self.scheduler.set_weight_version(version, abort_all))

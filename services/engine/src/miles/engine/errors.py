@@ -24,9 +24,16 @@ class EngineNotReadyError(UnavailableError):
 
 
 class WeightUpdateError(InvalidArgumentError):
-    """New weights were refused (unreadable, unknown names, wrong shapes); the old weights stay in place."""
+    """New weights were refused (unreadable, unknown names, wrong shapes, a failed or unknown weight-update group);
+    the old weights stay in place."""
 
     code = "weight_update_failed"
+
+
+class WeightsCheckError(InvalidArgumentError):
+    """/weights_checker cannot answer: an unknown action or dtype, or a model that holds no weights."""
+
+    code = "weights_check_failed"
 
 
 class WeightVersionBehindError(ConflictError):

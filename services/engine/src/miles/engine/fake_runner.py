@@ -11,6 +11,9 @@ LRU eviction and exact cached_tokens); only the numbers are made up:
   cache hits are faster exactly as with a real model.
 No KV is stored (cache nodes hold None) and torch is never imported: start-up is fast and memory small.
 Weight updates are validated (directory / safetensors headers) and bump the generation, so outputs change.
+Distributed updates really receive every tensor (torch is imported when a weight-update group is created) and
+accept any names, at most `FAKE_MAX_UPDATE_BYTES` per update. There are no weights to check: /weights_checker
+answers 400.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from miles.engine.errors import WeightUpdateError
+from miles.engine.errors import WeightsCheckError, WeightUpdateError
 from miles.engine.requests import Sequence, TokenLogprobs
-from miles.engine.runner import ForwardItem, ForwardResult, ModelInfo
+from miles.engine.runner import Checksum, ForwardItem, ForwardResult, ModelInfo
 from miles.engine.settings import EngineSettings
 from miles.engine.weights import check_checkpoint_dir, parse_safetensors_header
 
 _MASK = (1 << 64) - 1
+FAKE_MAX_UPDATE_BYTES = 1 << 30
+"""The fake model has no weights to size a distributed update by; this bounds the memory one may take."""
 
 
 def _mix(*values: int) -> int:
@@ -64,6 +69,7 @@ class FakeRunner:
         self._decode_cost_s = settings.fake_decode_token_cost_s
         self._forward_cost_s = settings.fake_forward_cost_s
         self._generation = 0
+        self.max_update_bytes = FAKE_MAX_UPDATE_BYTES
         self.sleep: Callable[[float], None] = time.sleep
         """How a forward spends its modelled cost (tests record it instead of waiting)."""
 
@@ -134,8 +140,17 @@ class FakeRunner:
             raise WeightUpdateError("no tensors in the payload")
         return None
 
+    def prepare_weights_from_named(self, tensors: dict[str, Any]) -> Any:
+        return None
+
     def apply_weights(self, prepared: Any) -> None:
         self._generation += 1
+
+    def snapshot_weights(self) -> Any:
+        raise WeightsCheckError("the fake model (--fake-model) holds no weights to check")
+
+    def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
+        raise WeightsCheckError("the fake model (--fake-model) holds no weights to check")
 
 
 def _is_decode(item: ForwardItem) -> bool:

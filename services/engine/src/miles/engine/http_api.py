@@ -3,7 +3,8 @@
 Status and body conventions copied from SGLang: /generate errors are 400 `{"error": {"message": ...}}`;
 request-schema errors are 400 `{"object": "error", "message", "type": "Bad Request", "param": null,
 "code": 400}`; streams are `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`; weight updates answer
-`{"success", "message", ...}` with 200 or 400. /health is a plain 200 once started (SGLang with
+`{"success", "message", ...}` with 200 or 400 (also the weight-update group routes and /weights_checker,
+whose `payload` is a miles extension). /health is a plain 200 once started (SGLang with
 SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, so that pauses and weight updates never make a router drop the
 engine); /health_generate really generates one token and answers 503 while paused.
 """
@@ -20,19 +21,29 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 
 from miles.common.errors import MilesError
+from miles.engine.distributed import DESTROY_MESSAGE, INIT_MESSAGE
 from miles.engine.engine import Engine
-from miles.engine.errors import BadRequestError, WeightUpdateError
+from miles.engine.errors import BadRequestError, WeightsCheckError, WeightUpdateError
 from miles.engine.info import ServedModel, legacy_load, loads, model_info, models, server_info
 from miles.engine.planning import GeneratePlan
 from miles.engine.protocol import (
     AbortRequestBody,
+    ApplyStagedWeightsBody,
+    CheckWeightsBody,
     ContinueGenerationBody,
+    DestroyWeightsUpdateGroupBody,
     GenerateRequest,
+    InitWeightsUpdateGroupBody,
     MemoryOccupationBody,
     PauseGenerationBody,
+    StageWeightsFromTensorBody,
+    SuccessResponse,
     UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorBody,
     UpdateWeightVersionBody,
+    WeightsCheckerResponse,
+    WeightsChecksum,
 )
 from miles.engine.settings import EngineSettings
 
@@ -41,6 +52,13 @@ FLUSH_MESSAGE = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 
+
+_REFUSED: dict[int | str, dict[str, Any]] = {
+    400: {"model": SuccessResponse, "description": "Refused or failed (`success` false); nothing was changed"}
+}
+_CHECK_REFUSED: dict[int | str, dict[str, Any]] = {
+    400: {"model": WeightsCheckerResponse, "description": "Unknown action or dtype, or a model without weights"}
+}
 
 _GENERATE_OPENAPI = {
     "requestBody": {"required": True, "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}}}
@@ -164,6 +182,9 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
         message = "Succeeded to update model weights." + _version_note(body.weight_version)
         return JSONResponse({"success": True, "message": message})
 
+    add_update_group_routes(app, engine)
+    add_staging_routes(app, engine)
+
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionBody) -> dict[str, Any]:
         await engine.update_weight_version(body.new_version, body.abort_all_requests)
@@ -180,6 +201,89 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
         return JSONResponse(None)
+
+
+def add_staging_routes(app: FastAPI, engine: Engine) -> None:
+    """Staged tensor updates (a miles extension; stock SGLang answers 404, and weight-sync then loads under the
+    pause): decode and validate a version while generating, swap it in during a short pause."""
+
+    @app.post("/stage_weights_from_tensor", response_model=SuccessResponse, responses=_REFUSED)
+    async def stage_weights_from_tensor(body: StageWeightsFromTensorBody) -> JSONResponse:
+        try:
+            staged = await engine.stage_weights_from_tensor(
+                body.serialized_named_tensors, body.load_format, body.stage_id
+            )
+        except WeightUpdateError as exc:
+            return _failure(exc)
+        return JSONResponse({"success": True, "message": f"Staged {staged} tensors under {body.stage_id}."})
+
+    @app.post("/apply_staged_weights", response_model=SuccessResponse, responses=_REFUSED)
+    async def apply_staged_weights(body: ApplyStagedWeightsBody) -> JSONResponse:
+        try:
+            await engine.apply_staged_weights(
+                body.stage_id,
+                weight_version=body.weight_version,
+                abort_all=body.abort_all_requests,
+                flush_cache=body.flush_cache,
+            )
+        except WeightUpdateError as exc:
+            return _failure(exc)
+        message = "Succeeded to update model weights." + _version_note(body.weight_version)
+        return JSONResponse({"success": True, "message": message})
+
+
+def add_update_group_routes(app: FastAPI, engine: Engine) -> None:
+    """SGLang's weight-update group protocol (distributed.py) and /weights_checker."""
+
+    @app.post("/init_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
+    async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> JSONResponse:
+        try:
+            await engine.update_groups.init(body)
+        except WeightUpdateError as exc:
+            return _failure(exc)
+        return JSONResponse({"success": True, "message": INIT_MESSAGE})
+
+    @app.post("/update_weights_from_distributed", response_model=SuccessResponse, responses=_REFUSED)
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
+        try:
+            await engine.update_weights_from_distributed(body)
+        except WeightUpdateError as exc:
+            return _failure(exc)
+        message = "Succeeded to update parameter online." + _version_note(body.weight_version)
+        return JSONResponse({"success": True, "message": message})
+
+    @app.post("/destroy_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> JSONResponse:
+        try:
+            await engine.update_groups.destroy(body.group_name)
+        except WeightUpdateError as exc:
+            return _failure(exc)
+        return JSONResponse({"success": True, "message": DESTROY_MESSAGE})
+
+    @app.api_route(
+        "/weights_checker", methods=["GET", "POST"], response_model=WeightsCheckerResponse, responses=_CHECK_REFUSED
+    )
+    async def weights_checker(body: CheckWeightsBody | None = None) -> JSONResponse:
+        request = body or CheckWeightsBody()
+        try:
+            if request.action != "checksum":
+                raise WeightsCheckError(f"action {request.action!r} is not supported (only 'checksum')")
+            version, checksum = await engine.weights_checksum(request.dtype)
+        except WeightsCheckError as exc:
+            return _failure(exc)
+        payload = WeightsChecksum(
+            weight_version=version,
+            dtype=checksum.dtype,
+            digest=checksum.digest,
+            exact=checksum.exact,
+            num_tensors=checksum.num_tensors,
+        )
+        message = f"Checksum of {checksum.num_tensors} tensors in {checksum.dtype}."
+        return JSONResponse({"success": True, "message": message, "payload": payload.model_dump()})
+
+
+def _failure(exc: MilesError) -> JSONResponse:
+    return JSONResponse({"success": False, "message": exc.message}, status_code=400)
 
 
 def _version_note(weight_version: str | None) -> str:

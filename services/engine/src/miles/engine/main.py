@@ -19,6 +19,7 @@ from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.engine.distributed import UpdateGroups
 from miles.engine.engine import Engine
 from miles.engine.http_api import add_routes
 from miles.engine.info import ServedModel
@@ -72,7 +73,8 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         served_model_name=served_name,
         created_s=int(time.time()),
     )
-    return Engine(scheduler, runner, tokenizer, limits), served
+    update_groups = UpdateGroups(settings.weight_update_group_timeout_s)
+    return Engine(scheduler, runner, tokenizer, limits, update_groups), served
 
 
 def _eos_token_ids(settings: EngineSettings, config_ids: tuple[int, ...], tokenizer_eos: int | None) -> frozenset[int]:

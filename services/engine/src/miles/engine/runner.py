@@ -38,6 +38,17 @@ class ForwardResult:
 
 
 @dataclass(frozen=True)
+class Checksum:
+    """The served weights' content address in one dtype (see checksum.py)."""
+
+    dtype: str
+    digest: str
+    exact: bool
+    """Whether converting the weights to `dtype` lost nothing."""
+    num_tensors: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the engine reports about the model it serves."""
 
@@ -50,6 +61,8 @@ class ModelInfo:
 
 class Runner(Protocol):
     info: ModelInfo
+    max_update_bytes: int
+    """The most bytes one /update_weights_from_distributed may announce (enough for every weight in float64)."""
 
     def warmup(self) -> None:
         """Run each code path once so that the first request does not pay for lazy initialisation."""
@@ -68,8 +81,19 @@ class Runner(Protocol):
     def prepare_weights_from_tensors(self, payloads: list[bytes]) -> Any:
         """Decode and validate named tensors (safetensors bytes; any subset of the weights)."""
 
+    def prepare_weights_from_named(self, tensors: dict[str, Any]) -> Any:
+        """Validate received CPU tensors by Hugging Face name (any subset of the weights); raises
+        WeightUpdateError."""
+
     def apply_weights(self, prepared: Any) -> None:
         """Swap the prepared weights in (scheduler thread, between steps)."""
+
+    def snapshot_weights(self) -> Any:
+        """A copy of the served weights (scheduler thread, between steps: never half-updated); raises
+        WeightsCheckError when the runner holds none."""
+
+    def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
+        """The checksum of a snapshot, each weight converted to `dtype` (None: as held); off the scheduler."""
 
 
 def make_runner(settings: EngineSettings, num_regular_tokens: int) -> Runner:

@@ -151,6 +151,11 @@ class Scheduler:
 
         return self._call(command)
 
+    def weights_snapshot(self) -> Future[tuple[str, Any]]:
+        """The served weight version and the runner's copy of the weights, taken together between steps (no
+        update or relabel can fall between the two reads)."""
+        return self._call(lambda: (self._weight_version, self._runner.snapshot_weights()))
+
     def flush_cache(self) -> Future[bool]:
         """Empty the prefix cache if no sequence holds KV, i.e. none is running. SGLang also refuses while
         sequences wait in the queue, which blocks flushing after pause(retract); RL frameworks patch that out

@@ -77,6 +77,10 @@ class EngineSettings(ServiceSettings):
     health_generate_timeout_s: float = Field(default=20.0, gt=0.0)
     """/health_generate answers 503 when its one-token generation takes longer than this."""
 
+    weight_update_group_timeout_s: float = Field(default=600.0, gt=0.0)
+    """How long /init_weights_update_group waits for every rank to join, and each broadcast of
+    /update_weights_from_distributed for the trainer to send (then the call answers 400)."""
+
     @property
     def resolved_tokenizer_path(self) -> Path:
         return self.tokenizer_path or self.model_path

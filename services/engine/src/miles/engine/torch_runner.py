@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from miles.engine.checksum import named_tensors_checksum
 from miles.engine.errors import WeightUpdateError
 from miles.engine.requests import Sequence, TokenLogprobs
-from miles.engine.runner import ForwardItem, ForwardResult, ModelInfo
+from miles.engine.runner import Checksum, ForwardItem, ForwardResult, ModelInfo
 from miles.engine.settings import EngineSettings
 from miles.engine.weights import check_checkpoint_dir
 from miles.model import (
@@ -62,6 +63,7 @@ class TorchRunner:
             max_position_embeddings=config.max_position_embeddings,
             eos_token_ids=config.eos_token_ids,
         )
+        self.max_update_bytes = 8 * sum(p.numel() for p in self.model.parameters())
 
     def warmup(self) -> None:
         """One prefill, one prefill on top of a cache and one decode, in this runner's mode."""
@@ -155,11 +157,25 @@ class TorchRunner:
         except ModelError as exc:
             raise WeightUpdateError(str(exc)) from exc
 
+    def prepare_weights_from_named(self, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+        try:
+            return check_named_tensors(self.model, tensors, require_all=False)
+        except ModelError as exc:
+            raise WeightUpdateError(str(exc)) from exc
+
     def apply_weights(self, prepared: Any) -> None:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in prepared.items():
                 params[name].copy_(tensor)
+
+    def snapshot_weights(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
+        target = getattr(torch, dtype) if dtype is not None else next(iter(snapshot.values())).dtype
+        digest, exact = named_tensors_checksum(snapshot, target)
+        return Checksum(str(target).removeprefix("torch."), digest, exact, len(snapshot))
 
 
 def _same_computation(a: ModelConfig, b: ModelConfig) -> bool:

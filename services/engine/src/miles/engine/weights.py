@@ -9,14 +9,21 @@ bytes of one safetensors file (`safetensors.torch.save({name: tensor, ...})`), n
 checkpoint, any floating dtype (cast to float32). Any subset of the weights may be sent (a delta or one chunk
 of a large model); a name must not appear in two entries. `load_format` must be null or "safetensors".
 SGLang itself sends torch-pickled CUDA IPC handles here: we deliberately accept no pickle.
+
+`/update_weights_from_distributed`: `names`, `dtypes`, `shapes` announce the tensors the trainer then
+broadcasts over a weight-update group (distributed.py); `check_tensor_specs` decides before anything is
+received whether they can be (floating dtypes only, a size bound), the model checks names and shapes after.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import json
+import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +78,49 @@ def check_checkpoint_dir(model_path: str) -> Path:
     if not any(path.glob("*.safetensors")):
         raise WeightUpdateError(f"no *.safetensors files in {model_path!r}")
     return path
+
+
+FLOAT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+"""The dtypes (torch names without "torch.") of tensors received by broadcast and of /weights_checker, with
+their element sizes."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor announced by /update_weights_from_distributed, received by broadcast in announcement order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * FLOAT_DTYPE_BYTES[self.dtype]
+
+
+def check_tensor_specs(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], max_total_bytes: int
+) -> list[TensorSpec]:
+    """The announced tensors if they can be received (names unique, known dtypes, non-negative shapes, at most
+    `max_total_bytes` in all); raises WeightUpdateError. Whether the names and shapes fit the model is checked
+    after receiving: every broadcast must be consumed first."""
+    if not names:
+        raise WeightUpdateError("names is empty")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise WeightUpdateError(
+            f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)} and {len(shapes)}"
+        )
+    specs = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if dtype not in FLOAT_DTYPE_BYTES:
+            raise WeightUpdateError(f"tensor {name!r} has dtype {dtype!r}; supported: {', '.join(FLOAT_DTYPE_BYTES)}")
+        if any(size < 0 for size in shape):
+            raise WeightUpdateError(f"tensor {name!r} has a negative size in shape {shape}")
+        specs.append(TensorSpec(name, dtype, tuple(shape)))
+    duplicates = sorted(name for name, count in collections.Counter(names).items() if count > 1)
+    if duplicates:
+        raise WeightUpdateError(f"tensor {duplicates[0]!r} is listed twice")
+    total_bytes = sum(spec.num_bytes for spec in specs)
+    if total_bytes > max_total_bytes:
+        raise WeightUpdateError(f"the tensors hold {total_bytes} bytes, more than this model's {max_total_bytes}")
+    return specs
