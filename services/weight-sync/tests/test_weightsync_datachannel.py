@@ -30,6 +30,7 @@ from miles.weightsync.grpc_api import SERVICE_NAME, WeightSyncServicer, add_serv
 from miles.weightsync.manifest import TensorSpec, manifest_digest
 from miles.weightsync.metrics import WeightsyncMetrics
 from miles.weightsync.provider import WeightProvider
+from miles.weightsync.publish import PublishAssembler, PublishMeta
 from miles.weightsync.receive import DataChannelReceiver, receive_over_data_channel
 from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
@@ -68,10 +69,11 @@ async def origin(**overrides: Any) -> AsyncIterator[tuple[WeightSyncCore, str]]:
     )
     await server.start()
     specs, data = make_tensors(0)
-    assembler = await core.begin_publish(JOB, 0, -1, specs)
+    assembler = await core.intake.begin_publish(PublishMeta(JOB, 0, -1), specs)
+    assert isinstance(assembler, PublishAssembler)
     for index, spec in enumerate(specs):
         assembler.add_chunk(index, 0, data[spec.name])
-    await core.store_published(assembler.commit(manifest_digest([s.sha256 for s in specs])))
+    await core.intake.store_published(assembler.commit(manifest_digest([s.sha256 for s in specs])))
     try:
         yield core, f"127.0.0.1:{server.port}"
     finally:

@@ -1,5 +1,6 @@
 """Lossless delta encodings: exact round trips in every element size, the encoding chosen by change density,
-and corruption detected instead of producing wrong bytes."""
+corruption detected instead of producing wrong bytes, and blobs of the earlier encodings still decoding.
+The bucketed encoding's own cases are in test_weightsync_delta_bucketed.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from miles.weightsync.delta import (
+    ENCODING_BUCKETED,
     ENCODING_FULL,
     ENCODING_SPARSE,
     ENCODING_XOR,
@@ -35,11 +37,11 @@ def test_delta_round_trips_bit_exact(itemsize: int, fraction: float) -> None:
     assert encoded.num_changed == int(4096 * fraction)
 
 
-def test_sparse_changes_use_the_sparse_form_and_stay_small() -> None:
+def test_sparse_changes_of_random_words_use_a_sparse_form_and_stay_small() -> None:
     base = np.random.default_rng(0).integers(0, 2**16, 1_000_000, dtype=np.uint16).tobytes()
     new = _changed(base, 2, 0.001, seed=1)
     encoded = encode_delta(base, new, 2)
-    assert encoded.encoding == ENCODING_SPARSE
+    assert encoded.encoding in (ENCODING_SPARSE, ENCODING_BUCKETED)  # random words: neither has an edge
     assert len(encoded.blob) < 0.004 * len(new)  # ~1,000 changed words of 1,000,000
 
 
@@ -77,3 +79,20 @@ def test_truncated_or_mismatched_blobs_are_refused() -> None:
         decode(delta.encoding, delta.blob, num_bytes=len(raw), itemsize=2, base=None)
     with pytest.raises(StoreCorruptError):
         decode("lz4", delta.blob, num_bytes=len(raw), itemsize=2, base=raw)
+
+
+# Blobs written by the encoders before bucketed-diff-zstd existed (64 uint16 words, 3 changed / all changed).
+_LEGACY_BASE = (np.arange(64, dtype=np.uint16) * 977 + 12345).astype(np.uint16)
+_LEGACY_NEW = _LEGACY_BASE.copy()
+_LEGACY_NEW[[3, 17, 40]] ^= np.array([1, 6, 0x80], dtype=np.uint16)
+_LEGACY_BLOBS = [
+    (ENCODING_SPARSE, "28b52ffd2422bd00007003000400040e1700010680000000031000840c3c6001c3e41cf0", _LEGACY_NEW),
+    (ENCODING_XOR, "28b52ffd24809500004800000001000600800003100033e10f735a3185141f", _LEGACY_NEW),
+    (ENCODING_XOR, "28b52ffd24805d000018030300020004929804b04d32785c", _LEGACY_BASE ^ np.uint16(3)),
+]
+
+
+@pytest.mark.parametrize(("encoding", "blob_hex", "expected"), _LEGACY_BLOBS)
+def test_blobs_of_the_earlier_encodings_still_decode(encoding: str, blob_hex: str, expected: np.ndarray) -> None:
+    raw = decode(encoding, bytes.fromhex(blob_hex), num_bytes=128, itemsize=2, base=_LEGACY_BASE.tobytes())
+    assert raw == expected.tobytes()

@@ -1,21 +1,28 @@
 """The nccl transport, driven from a trainer-like process: the exact SGLang requests, in order, against a fake
 SGLang engine (test code) that really joins the weight-update group and receives every tensor by broadcast —
-gloo on the CPU; real NCCL only on a machine with two GPUs (marked gpu)."""
+gloo on the CPU; real NCCL only on a machine with two GPUs (marked gpu) — and against two real CPU engines
+(miles-engine --deterministic, gloo), each of which must then serve exactly the trainer's weights: its
+/weights_checker digest equals the trainer's, its greedy logprobs equal miles.model's in-process, bit for bit."""
 
 from __future__ import annotations
 
 import hashlib
+import random
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from weightsync_testkit import TinyTrainer
+from weightsync_testkit import TinyTrainer, greedy, start_engine, stop_all, wait_ready
 
 from miles.common.telemetry import Metrics
 from miles.common.testing import ServiceProcess, free_port
+from miles.common.weights import tensor_sha256, weights_digest
+from miles.model import CausalLM, block_logprobs, load_model, load_named_tensors
 from miles.weightsync.engines import LocalEngines
 from miles.weightsync.events import EventLog
 from miles.weightsync.metrics import WeightsyncMetrics
@@ -26,17 +33,28 @@ FAKE_ENGINE = Path(__file__).parent / "weightsync_fake_sglang.py"
 BUCKET_BYTES = 8 << 20
 
 
+VersionCheck = Callable[[int, dict[str, torch.Tensor]], None]
+
+
 async def roll_versions(
-    trainer: TinyTrainer, engine_url: str, *, backend: str, device: str, num_versions: int
+    trainer: TinyTrainer,
+    engine_urls: list[str],
+    *,
+    backend: str,
+    device: str,
+    num_versions: int,
+    check: VersionCheck | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
+    """Train `num_versions` steps; after each, load the version into every engine and run `check` on it."""
     states: dict[int, dict[str, torch.Tensor]] = {}
-    config = NcclConfig("127.0.0.1", free_port(), backend=backend, bucket_bytes=BUCKET_BYTES, timeout_s=120)
+    master_port = free_consecutive_ports(len(engine_urls))
+    config = NcclConfig("127.0.0.1", master_port, backend=backend, bucket_bytes=BUCKET_BYTES, timeout_s=120)
     transport = make_transport(
         "nccl",
         TransportDeps(nccl_config=config, nccl_weights=lambda v: {n: t.to(device) for n, t in states[v].items()}),
     )
     engines = LocalEngines(
-        [engine_url],
+        engine_urls,
         router=None,
         metrics=WeightsyncMetrics(Metrics("weightsync")),
         events=EventLog(100),
@@ -45,12 +63,29 @@ async def roll_versions(
     for _ in range(num_versions):
         version = trainer.step()
         states[version] = trainer.bf16_state()
-        outcome = await engines.update(engine_url, version, transport, "retract", 300)
-        assert not outcome.update_failed, outcome.error
-        assert outcome.weight_version == version
+        for engine_url in engine_urls:
+            outcome = await engines.update(engine_url, version, transport, "retract", 300)
+            assert not outcome.update_failed, outcome.error
+            assert outcome.weight_version == version
+        if check is not None:
+            check(version, states[version])
     await transport.close()  # type: ignore[attr-defined]
     await engines.close()
     return states
+
+
+def free_consecutive_ports(count: int) -> int:
+    """A port p such that p .. p + count - 1 were all free a moment ago (engine i rendezvouses at p + i)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            for offset in range(1, count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def check_requests(requests: list[dict[str, Any]], states: dict[int, dict[str, torch.Tensor]], backend: str) -> None:
@@ -77,7 +112,8 @@ def check_requests(requests: list[dict[str, Any]], states: dict[int, dict[str, t
         ]
         names = [name for body in updates for name in body["names"]]
         assert names == list(state)
-        for body in updates:
+        for index, body in enumerate(updates):
+            last = index == len(updates) - 1
             assert set(body) == {
                 "names",
                 "dtypes",
@@ -87,8 +123,9 @@ def check_requests(requests: list[dict[str, Any]], states: dict[int, dict[str, t
                 "abort_all_requests",
                 "weight_version",
             }
-            assert body["group_name"] == init["group_name"] and body["flush_cache"] is False
-            assert body["weight_version"] == str(version)
+            # Only the last bucket sets the version and flushes the prefix cache (old KV must not serve new weights).
+            assert body["group_name"] == init["group_name"] and body["flush_cache"] is last
+            assert body["weight_version"] == (str(version) if last else None)
             assert body["dtypes"] == ["bfloat16"] * len(body["names"])
             assert body["shapes"] == [list(state[n].shape) for n in body["names"]]
             sizes = [state[n].numel() * 2 for n in body["names"]]
@@ -127,7 +164,7 @@ async def test_nccl_transport_request_shapes_and_order_over_gloo(tiny_model_dir:
     process, url = start_fake_engine(tmp_path, "cpu")
     try:
         trainer = TinyTrainer(tiny_model_dir, lr=1e-4)
-        states = await roll_versions(trainer, url, backend="gloo", device="cpu", num_versions=5)
+        states = await roll_versions(trainer, [url], backend="gloo", device="cpu", num_versions=5)
         requests, received = recorded(url)
     finally:
         process.stop()
@@ -145,7 +182,7 @@ async def test_nccl_transport_broadcasts_over_real_nccl(tiny_model_dir: Path, tm
     try:
         torch.cuda.set_device(0)
         trainer = TinyTrainer(tiny_model_dir, lr=1e-4)
-        states = await roll_versions(trainer, url, backend="nccl", device="cuda:0", num_versions=2)
+        states = await roll_versions(trainer, [url], backend="nccl", device="cuda:0", num_versions=2)
         requests, received = recorded(url)
     finally:
         process.stop()
@@ -154,3 +191,68 @@ async def test_nccl_transport_broadcasts_over_real_nccl(tiny_model_dir: Path, tm
     assert received == {
         n: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in last.items()
     }
+
+
+NUM_TOKENS = 4
+GROUP_NAME = NcclConfig("127.0.0.1", 0).group_name
+
+
+def fixed_prompts() -> list[list[int]]:
+    """The same prompts at every version: the last bucket of each update flushes the prefix cache, so a prompt
+    cached under the previous version must not be served from that version's KV."""
+    rng = random.Random(0)
+    return [[rng.randrange(1000, 150000) for _ in range(length)] for length in (8, 13)]
+
+
+@torch.inference_mode()
+def reference_greedy(model: CausalLM, prompt: list[int]) -> dict[str, Any]:
+    """Greedy tokens and logprobs computed in this process by miles.model (deterministic mode)."""
+    ids = list(prompt)
+    logprobs = []
+    for _ in range(NUM_TOKENS):
+        hidden = model(torch.tensor(ids), deterministic=True)
+        row = block_logprobs(model, hidden[-1:], torch.ones(1), deterministic=True)[0]
+        ids.append(int(row.argmax()))
+        logprobs.append(float(row[ids[-1]]))
+    return {"output_ids": ids[len(prompt) :], "logprobs": logprobs}
+
+
+def bf16_digest(state: dict[str, torch.Tensor]) -> str:
+    raw = {name: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for name, t in state.items()}
+    return weights_digest({name: tensor_sha256(data) for name, data in raw.items()})
+
+
+@pytest.mark.integration
+async def test_nccl_transport_updates_two_real_cpu_engines_bit_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
+    procs = [start_engine(tiny_model_dir, tmp_path, "--deterministic") for _ in range(2)]
+    reference = load_model(tiny_model_dir)
+    checked: list[int] = []
+
+    def check(version: int, state: dict[str, torch.Tensor]) -> None:
+        load_named_tensors(reference, state, require_all=True)
+        prompts = fixed_prompts()
+        expected = [reference_greedy(reference, prompt) for prompt in prompts]
+        for proc in procs:
+            reply = httpx.post(f"{proc.url}/weights_checker", json={"action": "checksum", "dtype": "bfloat16"})
+            payload = reply.json()["payload"]
+            assert payload["weight_version"] == str(version)
+            assert payload["digest"] == bf16_digest(state) and payload["exact"] is True
+            for prompt, wanted in zip(prompts, expected, strict=True):
+                served = greedy(proc.url, prompt, NUM_TOKENS)
+                assert served == {**wanted, "weight_version": str(version)}
+        checked.append(version)
+
+    try:
+        wait_ready(procs, "/readyz")
+        trainer = TinyTrainer(tiny_model_dir, lr=1e-3)
+        urls = [proc.url for proc in procs]
+        await roll_versions(trainer, urls, backend="gloo", device="cpu", num_versions=3, check=check)
+        async with httpx.AsyncClient(timeout=60) as client:  # the transport destroyed each engine's group on close
+            again = [
+                await client.post(f"{url}/destroy_weights_update_group", json={"group_name": f"{GROUP_NAME}-{i}"})
+                for i, url in enumerate(urls)
+            ]
+    finally:
+        stop_all(procs)
+    assert checked == [1, 2, 3]
+    assert [reply.status_code for reply in again] == [400, 400]

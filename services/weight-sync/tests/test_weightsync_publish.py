@@ -22,6 +22,7 @@ from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.weightsync.client import WeightSyncClient, tensor_bytes
 from miles.weightsync.grpc_api import SERVICE_NAME, WeightSyncServicer, add_servicer
 from miles.weightsync.manifest import TensorSpec
+from miles.weightsync.publish import PublishAssembler, PublishMeta
 from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 from miles.weightsync.wire import decode_chunk, encode_chunk, weights_chunks
@@ -199,10 +200,11 @@ async def test_auto_update_rolls_out_each_stored_version() -> None:
         specs = [
             TensorSpec(n, "bfloat16", tuple(t.shape), hashlib.sha256(data[n]).hexdigest()) for n, t in state.items()
         ]
-        assembler = await core.begin_publish(JOB, version, version - 1, specs)
+        assembler = await core.intake.begin_publish(PublishMeta(JOB, version, version - 1), specs)
+        assert isinstance(assembler, PublishAssembler)
         for index, spec in enumerate(specs):
             assembler.add_chunk(index, 0, data[spec.name])
-        await core.store_published(assembler.commit(core_digest(specs)))
+        await core.intake.store_published(assembler.commit(core_digest(specs)))
     await asyncio.wait_for(watcher, 30)
     await core.close()
     assert ("stored", 0) in events and ("stored", 1) in events and events[-1] == ("rollout_complete", 1)

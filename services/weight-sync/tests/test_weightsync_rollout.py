@@ -299,12 +299,17 @@ async def test_bad_publishes_are_rejected_without_touching_store_or_engines(clus
         engines = _engine_state(cluster)
         state = cluster.trainer.bf16_state()
 
-        with pytest.raises(FailedPreconditionError, match="parent_version"):
-            await client.publish(JOB, latest, latest - 1, state)  # a parent that is not the latest version
-        with pytest.raises(FailedPreconditionError, match="parent_version"):
+        again = await client.publish(JOB, latest, latest - 1, state)  # the same version again: idempotent
+        assert again.already_stored and again.version == latest and again.stored_bytes > 0
+        other = {**state, "model.norm.weight": state["model.norm.weight"] + 1}
+        with pytest.raises(FailedPreconditionError, match="already stored with other weights"):
+            await client.publish(JOB, latest, latest - 1, other)  # a number never carries two contents
+        with pytest.raises(FailedPreconditionError, match="a gap"):
             await client.publish(JOB, latest + 2, latest + 1, state)
         with pytest.raises(InvalidArgumentError, match="parent_version \\+ 1"):
             await client.publish(JOB, latest + 3, latest, state)
+        with pytest.raises(InvalidArgumentError, match="restored_from_version"):
+            await client.publish(JOB, latest + 1, latest, state, restored_from_version=latest)
         reshaped = {**state, "model.norm.weight": state["model.norm.weight"][:-1]}
         with pytest.raises(InvalidArgumentError, match="shape"):
             await client.publish(JOB, latest + 1, latest, reshaped)
@@ -316,7 +321,8 @@ async def test_bad_publishes_are_rejected_without_touching_store_or_engines(clus
         data = {name: tensor_bytes(t, None).tobytes() for name, t in state.items()}
         specs = [TensorSpec(n, "bfloat16", tuple(state[n].shape), _sha256(data[n])) for n in names]
         messages = list(weights_chunks(JOB, latest + 1, latest, specs, data, 1 << 20))
-        for broken in (messages[:-2], _flip_first_chunk(messages)):
+        wrong_commit = [*messages[:-1], pb.PublishWeightsChunk(commit=pb.PublishCommit(manifest_sha256="0" * 64))]
+        for broken in (messages[:-2], _flip_first_chunk(messages), wrong_commit):
             with pytest.raises(InvalidArgumentError, match=r"truncated|sha256"):
                 await _raw_publish(client, broken)
 
@@ -325,7 +331,7 @@ async def test_bad_publishes_are_rejected_without_touching_store_or_engines(clus
     assert _engine_state(cluster) == engines
     routed = _router_states(cluster.router.url)
     assert all(state == "healthy" for state in routed.values()), routed
-    assert _metric(cluster.origin.url, "miles_weightsync_publishes_total", outcome="rejected") >= 7
+    assert _metric(cluster.origin.url, "miles_weightsync_publishes_total", outcome="rejected") >= 9
 
 
 def _sha256(data: bytes) -> str:

@@ -15,7 +15,7 @@ from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics
 from miles.weightsync.errors import DeltaVerificationError, StoreCorruptError, WrongParentError
 from miles.weightsync.manifest import TensorSpec
-from miles.weightsync.publish import PublishAssembler
+from miles.weightsync.publish import PublishAssembler, PublishMeta
 from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 from miles.weightsync.weights import WeightSet, advance, materialize
@@ -60,12 +60,14 @@ def specs_of(data: dict[str, bytes]) -> list[TensorSpec]:
 
 async def publish(core: WeightSyncCore, version: int, data: dict[str, bytes]) -> None:
     specs = specs_of(data)
-    assembler: PublishAssembler = await core.begin_publish("job-s", version, version - 1, specs)
+    begun = await core.intake.begin_publish(PublishMeta("job-s", version, version - 1), specs)
+    assert isinstance(begun, PublishAssembler)
+    assembler = begun
     for index, spec in enumerate(specs):
         assembler.add_chunk(index, 0, data[spec.name][:100])
         assembler.add_chunk(index, 100, data[spec.name][100:])
     published = assembler.commit(WeightSet(version, tuple(specs), data).manifest_sha256)
-    await core.store_published(published)
+    await core.intake.store_published(published)
 
 
 async def test_versions_rebuild_bit_exact_from_snapshots_and_deltas(store_url: str) -> None:

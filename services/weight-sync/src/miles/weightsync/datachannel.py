@@ -1,4 +1,4 @@
-"""The data plane of the stream transport: one-shot raw TCP connections outside gRPC, negotiated over gRPC.
+"""The data plane of the daemons: one-shot raw TCP connections outside gRPC, negotiated over gRPC.
 
 Python gRPC moves well under half of what a loopback socket moves (every message goes through the C core's
 buffers and the asyncio loop), so full weights travel over plain TCP, as transfer engines do:
@@ -18,6 +18,10 @@ Everything up to the last `ACK` is setup: a failure there (refused, unreachable,
 fall back to the gRPC stream. After it, a connection that closes early (truncated), stalls past `timeout_s` or
 sends extra bytes fails the transfer (`DataChannelError`); nothing that arrived is used.
 
+The same listener takes the other direction, publishes from the trainer (`publish_channel.py`): the hello's magic
+picks the direction (`MAGIC` = fetch, `PUBLISH_MAGIC` = publish), each direction claims its own offers
+(`add_handler`).
+
 Limits: unencrypted like the rest of the daemons' traffic (the token only stops a stray or replayed connection
 from taking a transfer); the sending threads hold a reference to the version until they finish or time out.
 """
@@ -31,11 +35,13 @@ import logging
 import secrets
 import socket
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
-from miles.weightsync.errors import DataChannelSetupError
+from miles.weightsync.errors import DataChannelError, DataChannelSetupError
 from miles.weightsync.manifest import TensorSpec
 from miles.weightsync.metrics import WeightsyncMetrics
 from miles.weightsync.weights import WeightSet
@@ -43,11 +49,19 @@ from miles.weightsync.wire import shard_assignment
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MILESWS1"
+MAGIC = b"MILESWS1"  # fetch: the daemon sends a version's tensors
+PUBLISH_MAGIC = b"MILESWP1"  # publish: the trainer sends a new version's tensors
 TOKEN_BYTES = 32
 HELLO = struct.Struct(f">{len(MAGIC)}s{TOKEN_BYTES}sI")
 ACK = b"\x01"
+DONE = b"\x02"  # publish: the daemon has every byte of the connection's tensors
 MAX_CONNECTIONS = 64
+SETUP_TIMEOUT_S = 10.0  # connect + ACK: a port that a firewall drops must not hold a transfer for the whole timeout
+
+ServeConnection = Callable[[socket.socket], Awaitable[None]]
+ClaimHandler = Callable[[bytes, int], ServeConnection | None]
+"""Claims connection `index` of the offer whose token is `token` (on the event loop, so claims are atomic) and
+returns how to serve it after the ACK is due, or None to refuse it (closed without ACK)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,48 @@ def connection_tensors(specs: Sequence[TensorSpec], num_connections: int) -> lis
     for index, connection in enumerate(shard_assignment(specs, num_connections)):
         per_connection[connection].append(index)
     return per_connection
+
+
+def granted_connections(num_connections: int, num_tensors: int) -> int:
+    """Connections an offer grants: as asked, at most MAX_CONNECTIONS and one per tensor, at least one."""
+    return max(1, min(num_connections, MAX_CONNECTIONS, max(1, num_tensors)))
+
+
+def open_connections(
+    sockets: list[socket.socket],
+    address: tuple[str, int],
+    magic: bytes,
+    token: bytes,
+    num_connections: int,
+    timeout_s: float,
+    cancelled: threading.Event,
+) -> None:
+    """The caller's side of the setup (blocking): open every connection into `sockets` (so that another thread
+    can shut them down meanwhile), send each hello, then wait for each ACK (the handshakes overlap). Raises
+    DataChannelSetupError (refused, unreachable, token refused, cancelled) after closing what it opened; after it
+    returns, each socket's timeout is `timeout_s` (the longest stall)."""
+    try:
+        for index in range(num_connections):
+            if cancelled.is_set():
+                raise DataChannelSetupError("the transfer was cancelled")
+            connection = socket.create_connection(address, timeout=min(timeout_s, SETUP_TIMEOUT_S))
+            sockets.append(connection)
+            connection.sendall(HELLO.pack(magic, token, index))
+        for index, connection in enumerate(sockets):
+            if connection.recv(len(ACK)) != ACK:
+                raise DataChannelSetupError(f"the daemon refused data connection {index} (token or expiry)")
+            connection.settimeout(timeout_s)
+    except OSError as exc:
+        close_all(sockets)
+        raise DataChannelSetupError(f"data channel to {address[0]}:{address[1]}: {exc}") from exc
+    except DataChannelSetupError:
+        close_all(sockets)
+        raise
+
+
+def close_all(sockets: Sequence[socket.socket]) -> None:
+    for connection in sockets:
+        connection.close()
 
 
 @dataclass
@@ -92,6 +148,11 @@ class DataChannelServer:
         self._connections: set[socket.socket] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._executor = ThreadPoolExecutor(MAX_CONNECTIONS, thread_name_prefix="weightsync-data")
+        self._handlers: dict[bytes, ClaimHandler] = {}
+
+    def add_handler(self, magic: bytes, claim: ClaimHandler) -> None:
+        """Route connections whose hello starts with `magic` to `claim` (the fetch direction is built in)."""
+        self._handlers[magic] = claim
 
     @property
     def started(self) -> bool:
@@ -126,7 +187,7 @@ class DataChannelServer:
 
     def offer(self, weights: WeightSet, num_connections: int) -> ChannelOffer:
         """Register a one-shot transfer of `weights` over up to `num_connections` connections."""
-        granted = max(1, min(num_connections, MAX_CONNECTIONS, max(1, len(weights.specs))))
+        granted = granted_connections(num_connections, len(weights.specs))
         offer = ChannelOffer(self.port, secrets.token_bytes(TOKEN_BYTES), granted, weights, self.timeout_s)
         pending = _Pending(offer, connection_tensors(weights.specs, granted))
         pending.expiry = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, pending)
@@ -169,30 +230,40 @@ class DataChannelServer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _route(self, hello: bytes) -> ServeConnection | None:
+        magic, token, index = HELLO.unpack(hello)
+        if magic == MAGIC:
+            claimed = self._claim(hello)
+            return partial(self._send_tensors, *claimed) if claimed is not None else None
+        handler = self._handlers.get(magic)
+        return handler(token, index) if handler is not None else None
+
     async def _serve(self, connection: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         self._connections.add(connection)
         try:
             connection.setblocking(False)
             hello = await asyncio.wait_for(_recv_exact_async(loop, connection, HELLO.size), self.timeout_s)
-            claimed = self._claim(hello) if hello is not None else None
-            if claimed is None:
+            serve = self._route(hello) if hello is not None else None
+            if serve is None:
                 self.metrics.data_connections.labels("rejected").inc()
                 return
             self.metrics.data_connections.labels("accepted").inc()
-            pending, index = claimed
-            weights = pending.offer.weights
-            views = [memoryview(weights.data[weights.specs[i].name]) for i in pending.tensors[index]]
             connection.setblocking(True)
             connection.settimeout(self.timeout_s)
-            await loop.run_in_executor(self._executor, _send_all, connection, views)
-            self.metrics.served_bytes.labels("data_channel").inc(sum(len(view) for view in views))
-        except (OSError, TimeoutError) as exc:
+            await serve(connection)
+        except (OSError, DataChannelError) as exc:
             self.metrics.data_connections.labels("broken").inc()
             log.warning("data channel connection failed", extra={"error": repr(exc)})
         finally:
             self._connections.discard(connection)
             connection.close()
+
+    async def _send_tensors(self, pending: _Pending, index: int, connection: socket.socket) -> None:
+        weights = pending.offer.weights
+        views = [memoryview(weights.data[weights.specs[i].name]) for i in pending.tensors[index]]
+        await asyncio.get_running_loop().run_in_executor(self._executor, _send_all, connection, views)
+        self.metrics.served_bytes.labels("data_channel").inc(sum(len(view) for view in views))
 
 
 async def _recv_exact_async(loop: asyncio.AbstractEventLoop, connection: socket.socket, size: int) -> bytes | None:

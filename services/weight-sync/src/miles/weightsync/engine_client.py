@@ -34,7 +34,9 @@ class _JsonHttp:
         except httpx.HTTPError as exc:
             raise EngineUnreachableError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code // 100 != 2:
-            raise EngineUpdateError(f"{method} {self.base_url}{path} answered {_describe(response)}")
+            error = EngineUpdateError(f"{method} {self.base_url}{path} answered {_describe(response)}")
+            error.http_status_of_engine = response.status_code
+            raise error
         payload = response.json() if response.content else None
         if check_success and not (isinstance(payload, dict) and payload.get("success") is True):
             raise EngineUpdateError(f"{method} {self.base_url}{path} did not succeed: {_describe(response)}")
@@ -43,6 +45,9 @@ class _JsonHttp:
 
 class EngineClient(_JsonHttp):
     """The control endpoints of one SGLang(-compatible) engine."""
+
+    staging_supported: bool | None = None
+    """Whether the engine stages tensor updates (None: not asked yet)."""
 
     async def weight_version(self) -> str | None:
         """The version the engine reports (/model_info, else the deprecated /get_model_info)."""
@@ -79,6 +84,31 @@ class EngineClient(_JsonHttp):
             "flush_cache": True,
         }
         await self.request("POST", "/update_weights_from_tensor", body, check_success=True)
+
+    async def stage_weights_from_tensor(self, serialized: list[str], stage_id: str) -> bool:
+        """Hand the engine one batch to decode and hold (miles engines' /stage_weights_from_tensor) while it keeps
+        serving. False when the engine has no such endpoint (stock SGLang: load under the pause instead)."""
+        if self.staging_supported is False:
+            return False
+        body = {"serialized_named_tensors": serialized, "load_format": "safetensors", "stage_id": stage_id}
+        try:
+            await self.request("POST", "/stage_weights_from_tensor", body, check_success=True)
+        except EngineUpdateError as exc:
+            if exc.http_status_of_engine in (404, 405):
+                self.staging_supported = False
+                return False
+            raise
+        self.staging_supported = True
+        return True
+
+    async def apply_staged_weights(self, stage_id: str, weight_version: str | None) -> None:
+        body = {
+            "stage_id": stage_id,
+            "weight_version": weight_version,
+            "abort_all_requests": False,
+            "flush_cache": True,
+        }
+        await self.request("POST", "/apply_staged_weights", body, check_success=True)
 
     async def update_weight_version(self, version: str) -> None:
         await self.request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})

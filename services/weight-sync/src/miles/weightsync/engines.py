@@ -2,12 +2,18 @@
 
 The protocol for one engine (sglang-protocol.md §3, miles-agentic.md §6.2):
 
+0. prepare through the transport while the engine keeps serving: fetch, decode, verify, encode (transports.py);
 1. quiesce — `drain`: DrainEngine at the router and wait until nothing is in flight (new requests go to other
-   engines); `abort` / `retract` / `in_place`: DrainEngine without waiting, then /pause_generation with that mode
-   (held requests resume on the new weights: the job's partial-rollout choice);
-2. load through the transport (its last call carries weight_version);
+   engines), then /pause_generation in_place (holds clients that bypass the router); `abort` / `retract` /
+   `in_place`: DrainEngine without waiting, then /pause_generation with that mode (held requests resume on the
+   new weights: the job's partial-rollout choice);
+2. apply the prepared load (its last call carries weight_version);
 3. /update_weight_version (without aborting) and read /model_info back: it must report the new version;
-4. resume — /continue_generation when paused, then UndrainEngine (the router re-reads the version).
+4. resume — /continue_generation, then UndrainEngine (the router re-reads the version).
+
+The engine pauses from its /pause_generation in 1 to 4 only (`pause_s`; a drain's wait for in-flight requests,
+which the engine still serves, comes before); 0 is `transfer_s`. Both, the bytes moved and the time from the
+trainer's optimizer step to the engine serving the version (`step_to_serving_s`) are exported per update.
 
 Version lock: the engine takes no request between 1 and 4, so it never serves a mix of versions. If any step
 fails or the per-engine timeout passes, the engine is left drained at the router and paused (so not even direct
@@ -29,7 +35,7 @@ from miles.weightsync.engine_client import EngineClient, RouterClient
 from miles.weightsync.errors import EngineUpdateError, UnsupportedTransportError
 from miles.weightsync.events import ENGINE_UPDATE_FAILED, ENGINE_UPDATED, EventLog, VersionEvent
 from miles.weightsync.metrics import WeightsyncMetrics
-from miles.weightsync.transports import WeightTransport
+from miles.weightsync.transports import LoadResult, PreparedLoad, WeightTransport
 from miles.weightsync.weights import WeightSet
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,10 @@ class EngineOutcome:
     fell_back: bool = False
     update_duration_s: float = 0.0
     daemon: str = ""
+    pause_s: float = 0.0
+    transfer_s: float = 0.0
+    wire_bytes: int = 0
+    step_to_serving_s: float = 0.0
 
 
 @dataclass
@@ -57,6 +67,11 @@ class _EngineState:
     left_paused: bool = False
     stage: str = "quiesce"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _since(unix_ms: int) -> float:
+    """Seconds from `unix_ms` (another process's wall clock) until now; 0 when unknown."""
+    return max(0.0, time.time() - unix_ms / 1000) if unix_ms > 0 else 0.0
 
 
 def parse_version(label: str | None) -> int:
@@ -109,7 +124,14 @@ class LocalEngines:
         return result
 
     async def update(
-        self, url: str, version: int, transport: WeightTransport, pause_mode: str, timeout_s: float
+        self,
+        url: str,
+        version: int,
+        transport: WeightTransport,
+        pause_mode: str,
+        timeout_s: float,
+        *,
+        step_finished_unix_ms: int = 0,
     ) -> EngineOutcome:
         state = self._engines.get(url.rstrip("/"))
         if state is None:
@@ -120,38 +142,77 @@ class LocalEngines:
             start_s = time.perf_counter()
             try:
                 async with asyncio.timeout(timeout_s):
-                    mode = await self._update_quiesced(state, version, transport, pause_mode, timeout_s)
+                    with self._stage(state, "prepare"):
+                        prepared = await transport.prepare(state.outcome.engine_url, version, state.weights)
+                        prepared = await transport.stage(state.client, prepared)
+                    prepared_s = time.perf_counter()
+                    result, paused_at_s = await self._swap(state, prepared, transport, pause_mode, timeout_s)
+                    pause_s = time.perf_counter() - paused_at_s
             except Exception as exc:  # any failure must leave the engine drained and reported, never serving
                 await self._fail(state, version, exc)
             else:
-                elapsed_s = time.perf_counter() - start_s
                 state.outcome = EngineOutcome(
-                    state.outcome.engine_url, version, False, "", mode == "fallback", elapsed_s
+                    state.outcome.engine_url,
+                    version,
+                    fell_back=result.mode == "fallback",
+                    update_duration_s=time.perf_counter() - start_s,
+                    pause_s=pause_s,
+                    transfer_s=prepared_s - start_s,
+                    wire_bytes=prepared.received_bytes + result.bytes_to_engine,
+                    step_to_serving_s=_since(step_finished_unix_ms),
                 )
-                self.metrics.engine_updates.labels(transport.name, mode).inc()
-                self.metrics.engine_version.labels(state.outcome.engine_url).set(version)
-                self.metrics.observe_phase("engine_update", elapsed_s)
-                await self.events.emit(
-                    VersionEvent(ENGINE_UPDATED, version, state.outcome.engine_url, fell_back=mode == "fallback")
-                )
+                await self._record_success(state.outcome, transport.name, result.mode)
             state.outcome.update_duration_s = time.perf_counter() - start_s
             return EngineOutcome(**state.outcome.__dict__)
 
-    async def _update_quiesced(
-        self, state: _EngineState, version: int, transport: WeightTransport, pause_mode: str, timeout_s: float
-    ) -> str:
-        url = state.outcome.engine_url
+    async def _record_success(self, outcome: EngineOutcome, transport: str, mode: str) -> None:
+        m = self.metrics
+        m.engine_updates.labels(transport, mode).inc()
+        m.engine_version.labels(outcome.engine_url).set(outcome.weight_version)
+        m.observe_phase("engine_update", outcome.update_duration_s)
+        m.engine_pause_s.observe(outcome.pause_s)
+        m.update_transfer_s.observe(outcome.transfer_s)
+        m.update_wire_bytes.observe(outcome.wire_bytes)
+        if outcome.step_to_serving_s > 0:
+            m.step_to_serving_s.observe(outcome.step_to_serving_s)
+        await self.events.emit(
+            VersionEvent(
+                ENGINE_UPDATED,
+                outcome.weight_version,
+                outcome.engine_url,
+                fell_back=outcome.fell_back,
+                pause_s=outcome.pause_s,
+                transfer_s=outcome.transfer_s,
+                wire_bytes=outcome.wire_bytes,
+                step_to_serving_s=outcome.step_to_serving_s,
+            )
+        )
+
+    async def _swap(
+        self,
+        state: _EngineState,
+        prepared: PreparedLoad,
+        transport: WeightTransport,
+        pause_mode: str,
+        timeout_s: float,
+    ) -> tuple[LoadResult, float]:
+        """Quiesce, apply the prepared load, set and check the version, resume: the only time the engine pauses.
+        Returns the result and when the engine stopped serving (the pause; a drain's wait for in-flight requests to
+        finish comes before it, while the engine still serves them)."""
+        url, version = state.outcome.engine_url, prepared.version
         with self._stage(state, "quiesce"):
             if self.router is not None:
                 drained = await self.router.drain(url, wait=pause_mode == "drain", timeout_s=timeout_s)
                 if pause_mode == "drain" and not drained:
                     raise EngineUpdateError(f"engine {url} still had requests in flight after {timeout_s}s")
-            if pause_mode != "drain":
-                await state.client.pause(pause_mode)
-                state.left_paused = True
-        current, state.weights = state.weights, None  # unknown until the load is confirmed
+            # drain: nothing is in flight any more; the in_place pause only holds clients that reach the engine
+            # directly (not through the router), so that none of them meets half-loaded weights.
+            paused_at_s = time.perf_counter()
+            await state.client.pause("in_place" if pause_mode == "drain" else pause_mode)
+            state.left_paused = True
+        state.weights = None  # unknown until the load is confirmed
         with self._stage(state, "load"):
-            result = await transport.load(state.client, version, current)
+            result = await transport.apply(state.client, prepared)
         with self._stage(state, "set_version"):
             await state.client.update_weight_version(str(version))
             reported = await state.client.weight_version()
@@ -160,12 +221,11 @@ class LocalEngines:
         state.weights = result.weights
         self.metrics.bytes_to_engines.labels(transport.name).inc(result.bytes_to_engine)
         with self._stage(state, "resume"):
-            if state.left_paused:
-                await state.client.resume()
-                state.left_paused = False
+            await state.client.resume()
+            state.left_paused = False
             if self.router is not None:
                 await self.router.undrain(url)
-        return result.mode
+        return result, paused_at_s
 
     @contextlib.contextmanager
     def _stage(self, state: _EngineState, name: str) -> Iterator[None]:
@@ -184,7 +244,7 @@ class LocalEngines:
             extra={"engine_url": url, "weight_version": version, "error": message},
         )
         state.weights = None
-        state.outcome = EngineOutcome(url, state.outcome.weight_version, True, message, False, 0.0)
+        state.outcome = EngineOutcome(url, state.outcome.weight_version, True, message)
         self.metrics.failures.labels(state.stage).inc()
         with contextlib.suppress(Exception):  # best effort: the engine may be what failed
             if self.router is not None:

@@ -24,6 +24,11 @@ class WrongParentError(FailedPreconditionError):
     """A publish names a parent version that is not the store's latest (or a version that is not parent + 1)."""
 
 
+class VersionTakenError(FailedPreconditionError):
+    """A publish names a version number the store already holds with other weights (numbers are never reused), or
+    one retention already removed."""
+
+
 class UnknownJobError(NotFoundError):
     """The request names another job than the one this daemon serves; field "job_id"."""
 
@@ -50,6 +55,9 @@ class DeltaVerificationError(StoreCorruptError):
 class EngineUpdateError(UpstreamError):
     """An engine (or the router) refused or failed a step of an update; the engine is left drained."""
 
+    http_status_of_engine: int = 0
+    """The engine's or router's HTTP status when it answered (0: it did not)."""
+
 
 class EngineUnreachableError(UnavailableError):
     """An engine, the router or a peer daemon could not be reached."""
@@ -71,3 +79,9 @@ class DataChannelError(UnavailableError):
 class DataChannelSetupError(DataChannelError):
     """A data channel could not be set up (no answer, connection refused, token refused); callers fall back to
     the gRPC stream (FetchWeights)."""
+
+
+class PublishChannelUnavailableError(FailedPreconditionError):
+    """This daemon takes no publish over a data channel (the data channel is off, or its listener cannot start);
+    the trainer publishes with PublishWeights instead. Its class name (miles-error-type) tells it apart from a
+    refused publish (WrongParentError, VersionTakenError), after which the trainer must not send anything."""

@@ -28,6 +28,11 @@ class VersionEvent:
     full_bytes: int = 0
     stored_bytes: int = 0
     fell_back: bool = False
+    pause_s: float = 0.0
+    transfer_s: float = 0.0
+    wire_bytes: int = 0
+    step_to_serving_s: float = 0.0
+    weights_digest: str = ""
     at_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
 
 

@@ -15,8 +15,9 @@ from miles.proto.common.v1 import common_pb2
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from miles.weightsync.engines import PAUSE_MODES, EngineOutcome
-from miles.weightsync.errors import InvalidPublishError, UnsupportedTransportError
+from miles.weightsync.errors import InvalidPublishError, PublishChannelUnavailableError, UnsupportedTransportError
 from miles.weightsync.events import ENGINE_UPDATE_FAILED, ENGINE_UPDATED, ROLLOUT_COMPLETE, STORED, VersionEvent
+from miles.weightsync.manifest import Manifest
 from miles.weightsync.publish import PublishedVersion
 from miles.weightsync.rollout import PAUSE_TO_PB, TRANSPORT_TO_PB, RolloutPlan
 from miles.weightsync.service import WeightSyncCore
@@ -24,6 +25,7 @@ from miles.weightsync.wire import (
     TensorChecks,
     encoded_weights_chunks,
     header_message,
+    meta_from_pb,
     serialize_weights_message,
     spec_from_pb,
 )
@@ -48,6 +50,29 @@ def outcome_to_pb(outcome: EngineOutcome) -> pb.EngineVersion:
         fell_back=outcome.fell_back,
         update_duration_s=outcome.update_duration_s,
         daemon=outcome.daemon,
+        pause_s=outcome.pause_s,
+        transfer_s=outcome.transfer_s,
+        wire_bytes=outcome.wire_bytes,
+        step_to_serving_s=outcome.step_to_serving_s,
+    )
+
+
+def publish_response(manifest: Manifest, *, already_stored: bool) -> pb.PublishWeightsResponse:
+    return pb.PublishWeightsResponse(
+        version=common_pb2.WeightVersion(
+            job_id=manifest.job_id,
+            version=manifest.version,
+            parent_version=manifest.parent_version,
+            manifest_sha256=manifest.manifest_sha256,
+            created_at_unix_ms=manifest.created_at_unix_ms,
+        ),
+        full_bytes=manifest.full_bytes,
+        stored_bytes=manifest.stored_bytes,
+        is_snapshot=manifest.is_snapshot,
+        num_changed_elements=0 if manifest.is_snapshot and manifest.parent_version < 0 else manifest.num_changed,
+        num_elements=manifest.num_elements,
+        already_stored=already_stored,
+        weights_digest=manifest.weights_digest,
     )
 
 
@@ -61,6 +86,11 @@ def event_to_pb(event: VersionEvent) -> pb.VersionEvent:
         full_bytes=event.full_bytes,
         stored_bytes=event.stored_bytes,
         fell_back=event.fell_back,
+        pause_s=event.pause_s,
+        transfer_s=event.transfer_s,
+        wire_bytes=event.wire_bytes,
+        step_to_serving_s=event.step_to_serving_s,
+        weights_digest=event.weights_digest,
     )
 
 
@@ -75,31 +105,23 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         try:
             start_s = time.perf_counter()
             try:
-                published = await self._receive(request_iterator)
+                received = await self._receive(request_iterator)
             except MilesError:
                 await self._discard_rest(request_iterator)
                 raise
+            if isinstance(received, Manifest):  # this exact version is stored already: the rest carries nothing new
+                await self._discard_rest(request_iterator)
+                self.core.intake.republished(received)
+                return publish_response(received, already_stored=True)
             metrics.observe_phase("receive", time.perf_counter() - start_s)
-            manifest = await self.core.store_published(published)
+            metrics.published_bytes.labels("grpc").inc(sum(spec.num_bytes for spec in received.specs))
+            manifest, already_stored = await self.core.intake.store_or_twin(received)
         except MilesError:
             metrics.publishes.labels("rejected").inc()
             raise
-        return pb.PublishWeightsResponse(
-            version=common_pb2.WeightVersion(
-                job_id=manifest.job_id,
-                version=manifest.version,
-                parent_version=manifest.parent_version,
-                manifest_sha256=manifest.manifest_sha256,
-                created_at_unix_ms=manifest.created_at_unix_ms,
-            ),
-            full_bytes=manifest.full_bytes,
-            stored_bytes=manifest.stored_bytes,
-            is_snapshot=manifest.is_snapshot,
-            num_changed_elements=0 if manifest.is_snapshot and manifest.parent_version < 0 else manifest.num_changed,
-            num_elements=manifest.num_elements,
-        )
+        return publish_response(manifest, already_stored=already_stored)
 
-    async def _receive(self, request_iterator: AsyncIterator[pb.PublishWeightsChunk]) -> PublishedVersion:
+    async def _receive(self, request_iterator: AsyncIterator[pb.PublishWeightsChunk]) -> PublishedVersion | Manifest:
         checks: TensorChecks | None = None
         async for message in request_iterator:
             kind = message.WhichOneof("payload")
@@ -108,9 +130,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                     raise InvalidPublishError("the first message must be the header", field="header")
                 header = message.header
                 specs = [spec_from_pb(t) for t in header.tensors]
-                checks = TensorChecks(
-                    await self.core.begin_publish(header.job_id, header.version, header.parent_version, specs)
-                )
+                begun = await self.core.intake.begin_publish(meta_from_pb(header), specs)
+                if isinstance(begun, Manifest):
+                    return begun
+                checks = TensorChecks(begun)
             elif kind == "chunk":
                 checks.add_chunk(message.chunk.tensor_index, message.chunk.offset, message.chunk.data)
             elif kind == "commit":
@@ -138,6 +161,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             latest_version=status.latest_version,
             engines=[outcome_to_pb(outcome) for outcome in status.engines],
             stored_versions=status.stored_versions,
+            superseded=[
+                pb.SupersededVersions(
+                    first_version=r.first_version, last_version=r.last_version, by_version=r.by_version
+                )
+                for r in status.superseded
+            ],
+            latest_weights_digest=status.latest_weights_digest,
         )
 
     async def WatchVersions(
@@ -178,6 +208,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             max_engines_updating=request.max_engines_updating or settings.max_engines_updating,
             engine_timeout_s=request.engine_timeout_s or settings.engine_timeout_s,
             engine_urls=tuple(request.engine_urls),
+            step_finished_unix_ms=request.step_finished_unix_ms,
         )
 
     async def FetchWeights(
@@ -219,6 +250,45 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             manifest_sha256=weights.manifest_sha256,
             expires_in_s=offer.timeout_s,
         )
+
+    async def OpenPublishChannel(
+        self, request: pb.OpenPublishChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenPublishChannelResponse:
+        header = request.header
+        specs = [spec_from_pb(t) for t in header.tensors]
+        try:
+            opened = await self.core.intake.open_publish_channel(
+                meta_from_pb(header), specs, max(1, request.num_connections)
+            )
+        except PublishChannelUnavailableError:
+            raise  # the trainer falls back to PublishWeights: not a rejected publish
+        except MilesError:
+            self.core.metrics.publishes.labels("rejected").inc()
+            raise
+        if isinstance(opened, Manifest):  # this exact version is stored already: nothing is to be sent
+            self.core.intake.republished(opened)
+            return pb.OpenPublishChannelResponse(stored=publish_response(opened, already_stored=True))
+        return pb.OpenPublishChannelResponse(
+            host=self.core.settings.data_host,
+            port=opened.port,
+            token=opened.token,
+            num_connections=opened.num_connections,
+            expires_in_s=opened.timeout_s,
+            publish_id=opened.publish_id,
+        )
+
+    async def CommitPublish(
+        self, request: pb.CommitPublishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitPublishResponse:
+        try:
+            self.core.check_job(request.job_id)
+            manifest, already_stored = await self.core.intake.commit_publish(
+                request.publish_id, request.manifest_sha256
+            )
+        except MilesError:
+            self.core.metrics.publishes.labels("rejected").inc()
+            raise
+        return pb.CommitPublishResponse(stored=publish_response(manifest, already_stored=already_stored))
 
     async def FetchStoredVersion(
         self, request: pb.FetchStoredVersionRequest, context: grpc.aio.ServicerContext
@@ -270,6 +340,16 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
             servicer.OpenDataChannel,
             request_deserializer=pb.OpenDataChannelRequest.FromString,
             response_serializer=pb.OpenDataChannelResponse.SerializeToString,
+        ),
+        "OpenPublishChannel": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenPublishChannel,
+            request_deserializer=pb.OpenPublishChannelRequest.FromString,
+            response_serializer=pb.OpenPublishChannelResponse.SerializeToString,
+        ),
+        "CommitPublish": grpc.unary_unary_rpc_method_handler(
+            servicer.CommitPublish,
+            request_deserializer=pb.CommitPublishRequest.FromString,
+            response_serializer=pb.CommitPublishResponse.SerializeToString,
         ),
         "FetchStoredVersion": grpc.unary_stream_rpc_method_handler(
             servicer.FetchStoredVersion,

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from miles.common.weights import weights_digest
+
 DTYPE_ITEMSIZE: dict[str, int] = {
     "bfloat16": 2,
     "float16": 2,
@@ -108,10 +110,20 @@ class Manifest:
     is_snapshot: bool
     snapshot_version: int
     tensors: tuple[StoredTensor, ...]
+    step_finished_unix_ms: int = 0
+    """When the trainer's optimizer step that produced this version finished (0: unknown)."""
+    restored_from_version: int | None = None
+    """Set when a restarted trainer published the weights of its checkpoint of this version under this number
+    (the versions in between are superseded)."""
 
     @property
     def manifest_sha256(self) -> str:
         return manifest_digest([t.spec.sha256 for t in self.tensors])
+
+    @property
+    def weights_digest(self) -> str:
+        """The order-independent digest engines and trainers report (miles.common.weights)."""
+        return weights_digest({t.spec.name: t.spec.sha256 for t in self.tensors})
 
     @property
     def specs(self) -> tuple[TensorSpec, ...]:
@@ -146,6 +158,8 @@ class Manifest:
             "is_snapshot": self.is_snapshot,
             "snapshot_version": self.snapshot_version,
             "manifest_sha256": self.manifest_sha256,
+            "step_finished_unix_ms": self.step_finished_unix_ms,
+            "restored_from_version": self.restored_from_version,
             "tensors": [
                 {
                     "name": t.spec.name,
@@ -186,7 +200,13 @@ class Manifest:
             is_snapshot=bool(raw["is_snapshot"]),
             snapshot_version=int(raw["snapshot_version"]),
             tensors=tensors,
+            step_finished_unix_ms=int(raw.get("step_finished_unix_ms", 0)),
+            restored_from_version=_optional_int(raw.get("restored_from_version")),
         )
         if manifest.manifest_sha256 != raw.get("manifest_sha256"):
             raise ValueError(f"manifest of version {manifest.version} does not match its content address")
         return manifest
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -8,7 +8,20 @@ from __future__ import annotations
 
 from miles.common.telemetry import Metrics
 
-PHASES = ("receive", "encode", "store", "quiesce", "load", "set_version", "resume", "engine_update", "rollout")
+PHASES = (
+    "receive",
+    "encode",
+    "store",
+    "prepare",
+    "quiesce",
+    "load",
+    "set_version",
+    "resume",
+    "engine_update",
+    "rollout",
+)
+_SECONDS_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0)
+_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 42, 2))
 _SIZE_BUCKETS = (1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
@@ -20,7 +33,18 @@ class WeightsyncMetrics:
             "Bytes of published versions: kind=full (raw tensor bytes), delta or snapshot (bytes stored)",
             ["kind"],
         )
-        self.publishes = metrics.counter("publishes", "PublishWeights calls by outcome (stored, rejected)", ["outcome"])
+        self.publishes = metrics.counter(
+            "publishes",
+            "Publishes (PublishWeights, or OpenPublishChannel + CommitPublish) by outcome: stored, already_stored, "
+            "rejected",
+            ["outcome"],
+        )
+        self.published_bytes = metrics.counter(
+            "published_bytes",
+            "Tensor bytes received from the trainer, by path: data_channel (complete tensors, counted as they "
+            "arrive) or grpc (PublishWeights streams that reached their commit)",
+            ["path"],
+        )
         self.delta_ratio = metrics.gauge("delta_ratio", "Stored delta bytes / full bytes of the last delta version")
         self.delta_ratio_hist = metrics.histogram(
             "delta_ratio_distribution", "Stored delta bytes / full bytes per delta version", buckets=_SIZE_BUCKETS
@@ -65,7 +89,29 @@ class WeightsyncMetrics:
             ["path"],
         )
         self.data_connections = metrics.counter(
-            "data_connections", "Data channel connections served, by outcome (accepted, rejected, broken)", ["outcome"]
+            "data_connections",
+            "Data channel connections served (fetches and publishes), by outcome (accepted, rejected, broken)",
+            ["outcome"],
+        )
+        self.engine_pause_s = metrics.histogram(
+            "engine_pause_seconds",
+            "Per engine update: seconds the engine served nothing (quiesce until resumed)",
+            buckets=_SECONDS_BUCKETS,
+        )
+        self.update_transfer_s = metrics.histogram(
+            "update_transfer_seconds",
+            "Per engine update: seconds preparing the version next to the engine while it kept serving",
+            buckets=_SECONDS_BUCKETS,
+        )
+        self.update_wire_bytes = metrics.histogram(
+            "update_wire_bytes",
+            "Per engine update: bytes received from the origin plus raw tensor bytes sent to the engine",
+            buckets=_BYTES_BUCKETS,
+        )
+        self.step_to_serving_s = metrics.histogram(
+            "step_to_serving_seconds",
+            "Per engine update: seconds from the trainer's optimizer step to the engine serving the version",
+            buckets=_SECONDS_BUCKETS,
         )
         self.latest_version.set(-1)
 

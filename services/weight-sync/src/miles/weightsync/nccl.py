@@ -11,16 +11,17 @@ bucket of at most `bucket_bytes`, POST /update_weights_from_distributed {names, 
 request is pending, broadcasts the bucket's tensors from rank 0 in the listed order. `close()` POSTs
 /destroy_weights_update_group and destroys the local groups.
 
-The process-group creation mirrors SGLang's `init_custom_process_group` (a store prefixed with the group name,
-torch's `_new_process_group_helper`), so the trainer side meets real SGLang engines; it needs no default
-process group. Limits: one engine rank per engine is what the tests exercise (engine_world_size > 1 is passed
-through unchanged); tensors must already be in the engine dtype and on `device`.
+The process-group creation is SGLang's `init_custom_process_group` (a store prefixed with the group name,
+torch's `_new_process_group_helper`), shared with the miles engine in `miles.model.update_group` (re-exported
+here), so the trainer side meets real SGLang engines and miles engines alike; it needs no default process
+group. Limits: one engine rank per engine is what the tests exercise (engine_world_size > 1 is passed through
+unchanged); tensors must already be in the engine dtype and on `device`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.model.update_group import init_custom_process_group as init_custom_process_group
 from miles.weightsync.engine_client import EngineClient
-from miles.weightsync.transports import LoadResult, WeightTransport
-from miles.weightsync.weights import WeightSet
+from miles.weightsync.transports import LoadResult, PreparedLoad, WeightTransport
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class NcclConfig:
     master_address: str
     """Address of the trainer rank that drives the update, as the engines can reach it."""
     master_port: int
-    """Rendezvous port of the first engine's group; engine i uses master_port + i."""
+    """Rendezvous port of the first engine's group; group i uses master_port + i. 0: each group takes a port that
+    is free on this host when it is created (the engines must be allowed to reach any port of the trainer)."""
     group_name: str = "miles-weight-update"
     backend: str = "nccl"
     """nccl on GPUs; gloo for CPU tests."""
@@ -46,31 +48,6 @@ class NcclConfig:
     engine_world_size: int = 1
     """Ranks of one engine (its tensor-parallel size)."""
     timeout_s: float = 300.0
-
-
-def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float
-) -> Any:
-    """A process group outside the default one, built the way SGLang builds its weight-update group."""
-    from torch.distributed import distributed_c10d as c10d
-    from torch.distributed.rendezvous import rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    prefixed = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        prefixed,
-        group_name=c10d.GroupName(group_name),
-        backend_options=None,
-        timeout=timeout,
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
@@ -93,6 +70,15 @@ def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[t
     return result
 
 
+def _free_port(address: str) -> int:
+    """A port free right now on this host (for master_port 0: one rendezvous port per group, chosen here)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
 @dataclass
 class _Group:
     name: str
@@ -109,15 +95,17 @@ class NcclTransport(WeightTransport):
         self.weights_of = weights_of
         self._groups: dict[str, _Group] = {}
         self._engines: dict[str, EngineClient] = {}
+        self._next_index = 0  # never reused: a forgotten group's rendezvous port may still be held
 
     async def _group(self, engine: EngineClient) -> _Group:
         existing = self._groups.get(engine.base_url)
         if existing is not None:
             return existing
-        index = len(self._groups)
+        index = self._next_index
+        self._next_index += 1
         cfg = self.config
         name = f"{cfg.group_name}-{index}"
-        port = cfg.master_port + index
+        port = cfg.master_port + index if cfg.master_port else _free_port(cfg.master_address)
         body = {
             "master_address": cfg.master_address,
             "master_port": port,
@@ -141,25 +129,42 @@ class NcclTransport(WeightTransport):
         self._engines[engine.base_url] = engine
         return group
 
-    async def load(self, engine: EngineClient, version: int, current: WeightSet | None) -> LoadResult:
+    async def apply(self, engine: EngineClient, prepared: PreparedLoad) -> LoadResult:
+        """Broadcast every tensor of the version; the last bucket sets the version label and flushes the prefix
+        cache (KV computed with the old weights must not serve the new ones). A failure forgets the engine's
+        group (the engine may have restarted without it), so the next load creates a new one."""
+        version = prepared.version
         group = await self._group(engine)
         named = self.weights_of(version)
         num_bytes = 0
-        for bucket in buckets(named, self.config.bucket_bytes):
-            body = {
-                "names": [name for name, _ in bucket],
-                "dtypes": [torch_dtype_name(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": group.name,
-                "flush_cache": False,
-                "abort_all_requests": False,
-                "weight_version": str(version),
-            }
-            request = asyncio.create_task(engine.update_weights_from_distributed(body))
-            await asyncio.to_thread(self._broadcast, group, [t for _, t in bucket])
-            await request
-            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        all_buckets = buckets(named, self.config.bucket_bytes)
+        try:
+            for index, bucket in enumerate(all_buckets):
+                last = index == len(all_buckets) - 1
+                body = {
+                    "names": [name for name, _ in bucket],
+                    "dtypes": [torch_dtype_name(t.dtype) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": group.name,
+                    "flush_cache": last,
+                    "abort_all_requests": False,
+                    "weight_version": str(version) if last else None,
+                }
+                request = asyncio.create_task(engine.update_weights_from_distributed(body))
+                await asyncio.to_thread(self._broadcast, group, [t for _, t in bucket])
+                await request
+                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        except BaseException:
+            self._forget(engine.base_url)
+            raise
         return LoadResult(None, "full", num_bytes)
+
+    def _forget(self, engine_url: str) -> None:
+        group = self._groups.pop(engine_url, None)
+        self._engines.pop(engine_url, None)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group.process_group)
 
     @staticmethod
     def _broadcast(group: _Group, tensors: list[torch.Tensor]) -> None:

@@ -13,8 +13,12 @@ Every WeightSet handed out has been checked tensor by tensor against the manifes
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import hashlib
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from miles.weightsync.daemon_client import DaemonClient
 from miles.weightsync.errors import StoreCorruptError, VersionNotFoundError
@@ -24,6 +28,31 @@ from miles.weightsync.store import VersionStore
 from miles.weightsync.weights import WeightSet, advance, materialize
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReceivedBytes:
+    num_bytes: int = 0
+
+
+_RECEIVED: contextvars.ContextVar[ReceivedBytes | None] = contextvars.ContextVar("received_bytes", default=None)
+
+
+@contextlib.contextmanager
+def counting_received() -> Iterator[ReceivedBytes]:
+    """Counts the bytes this task (and what it awaits) receives from the origin inside the block."""
+    counter = ReceivedBytes()
+    token = _RECEIVED.set(counter)
+    try:
+        yield counter
+    finally:
+        _RECEIVED.reset(token)
+
+
+def _count_received(num_bytes: int) -> None:
+    counter = _RECEIVED.get()
+    if counter is not None:
+        counter.num_bytes += num_bytes
 
 
 class WeightProvider:
@@ -90,6 +119,7 @@ class WeightProvider:
         await asyncio.to_thread(self.store.put_manifest, manifest)
         await asyncio.to_thread(self.store.apply_retention, self.retain_versions)
         self.metrics.replicated_bytes.inc(num_bytes)
+        _count_received(num_bytes)
         log.info("version replicated from the origin", extra={"weight_version": version, "num_bytes": num_bytes})
 
     async def advance(self, weights: WeightSet, version: int) -> WeightSet:
@@ -125,5 +155,7 @@ class WeightProvider:
             data_timeout_s=self.data_timeout_s,
         )
         self.metrics.fetches.labels(path).inc()
-        self.metrics.fetched_bytes.inc(sum(spec.num_bytes for spec in published.specs))
+        num_bytes = sum(spec.num_bytes for spec in published.specs)
+        self.metrics.fetched_bytes.inc(num_bytes)
+        _count_received(num_bytes)
         return WeightSet(published.version, published.specs, published.data)

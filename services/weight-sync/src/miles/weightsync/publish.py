@@ -20,6 +20,17 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
+class PublishMeta:
+    """What a publish says besides its tensors (PublishHeader's scalar fields)."""
+
+    job_id: str
+    version: int
+    parent_version: int
+    step_finished_unix_ms: int = 0
+    restored_from_version: int | None = None
+
+
+@dataclass(frozen=True)
 class PublishedVersion:
     """A complete, checked version as the trainer sent it (raw bytes by name, specs in order)."""
 
@@ -28,28 +39,43 @@ class PublishedVersion:
     parent_version: int
     specs: tuple[TensorSpec, ...]
     data: dict[str, TensorBytes]
+    step_finished_unix_ms: int = 0
+    restored_from_version: int | None = None
 
 
 def check_header(
-    *,
-    version: int,
-    parent_version: int,
+    meta: PublishMeta,
     specs: Sequence[TensorSpec],
+    *,
     latest_version: int,
     parent_specs: Sequence[TensorSpec] | None,
     max_bytes: int,
 ) -> None:
-    """Raise InvalidPublishError / WrongParentError unless the header may follow the store's latest version."""
-    if version < 0 or parent_version != version - 1:
-        raise InvalidPublishError(
-            f"version {version} must be parent_version + 1 (got parent_version {parent_version}); 0 at first",
-            field="header.version",
-        )
-    if parent_version != latest_version:
-        raise WrongParentError(
-            f"parent_version {parent_version} is not the latest stored version {latest_version}",
-            field="header.parent_version",
-        )
+    """Raise InvalidPublishError / WrongParentError unless the header may follow the store's latest version.
+
+    Rules: the first publish into an empty store has parent -1 (version 0, the initial weights, or a trainer's
+    current version as a new base after its store was lost); every other one is parent + 1 with parent = the
+    latest stored version, so versions have no gaps; restored_from_version R (a restarted trainer's rewind)
+    supersedes R + 1 .. version - 1, so R < version - 1."""
+    version, parent_version = meta.version, meta.parent_version
+    if latest_version < 0:
+        if parent_version != -1:
+            raise WrongParentError(
+                f"parent_version {parent_version} is not in the store: it is empty, so the first publish has "
+                "parent_version -1",
+                field="header.parent_version",
+            )
+        if version < 0:
+            raise InvalidPublishError(f"version {version} must be >= 0", field="header.version")
+        restored = meta.restored_from_version
+        if restored is not None and not 0 <= restored < version - 1:
+            raise InvalidPublishError(
+                f"restored_from_version {restored} must be in [0, {version - 1}): it supersedes the versions after "
+                f"it up to {version - 1}",
+                field="header.restored_from_version",
+            )
+    else:
+        _check_follows(meta, latest_version)
     if not specs:
         raise InvalidPublishError("a version needs at least one tensor", field="header.tensors")
     seen: set[str] = set()
@@ -60,6 +86,32 @@ def check_header(
         raise InvalidPublishError(f"version is {total} bytes, more than max_publish_bytes {max_bytes}")
     if parent_specs is not None:
         _check_against_parent(specs, parent_specs)
+
+
+def _check_follows(meta: PublishMeta, latest_version: int) -> None:
+    version, parent_version = meta.version, meta.parent_version
+    if version != parent_version + 1:
+        raise InvalidPublishError(
+            f"version {version} must be parent_version + 1 = {parent_version + 1}: versions have no gaps",
+            field="header.version",
+        )
+    if parent_version != latest_version:
+        gap = (
+            f" (a gap: versions {latest_version + 1}..{parent_version} were never published here)"
+            if parent_version > latest_version
+            else ""
+        )
+        raise WrongParentError(
+            f"parent_version {parent_version} is not the latest stored version {latest_version}{gap}",
+            field="header.parent_version",
+        )
+    restored = meta.restored_from_version
+    if restored is not None and not 0 <= restored < latest_version:
+        raise InvalidPublishError(
+            f"restored_from_version {restored} must be in [0, {latest_version}) (it supersedes the versions after "
+            f"it up to the latest, {latest_version}; a trainer restored at the latest version republishes it)",
+            field="header.restored_from_version",
+        )
 
 
 def _check_spec(index: int, spec: TensorSpec, seen: set[str]) -> None:
@@ -107,18 +159,21 @@ class PublishAssembler:
 
     A tensor is hashed once complete: `add_chunk` returns True then, and an async caller may run
     `check_tensor(index)` in a thread meanwhile (hashlib releases the GIL); `commit` checks whatever is left.
-    Tensors stay in the bytearrays they were assembled in (no second copy).
+    Tensors stay in the bytearrays they were assembled in (no second copy). The data channel fills a tensor
+    without chunks: `receive_buffer` hands out its buffer for a socket's recv_into, `mark_received` says it is
+    full (each from one thread per tensor; different tensors may fill from different threads at once).
     """
 
-    def __init__(self, job_id: str, version: int, parent_version: int, specs: Sequence[TensorSpec]) -> None:
-        self.job_id = job_id
-        self.version = version
-        self.parent_version = parent_version
+    def __init__(self, meta: PublishMeta, specs: Sequence[TensorSpec]) -> None:
+        self.meta = meta
         self.specs = tuple(specs)
         self._buffers: list[bytearray | None] = [None] * len(self.specs)
         self._received = [0] * len(self.specs)
         self._checked = [False] * len(self.specs)
-        self.num_bytes_received = 0
+
+    @property
+    def num_bytes_received(self) -> int:
+        return sum(self._received)
 
     def add_chunk(self, tensor_index: int, offset: int, data: bytes | memoryview) -> bool:
         """Place a chunk; True when it completed its tensor."""
@@ -140,8 +195,19 @@ class PublishAssembler:
             buffer = self._buffers[tensor_index] = bytearray(spec.num_bytes)
         buffer[offset:end] = data
         self._received[tensor_index] = end
-        self.num_bytes_received += len(data)
         return end == spec.num_bytes and len(data) > 0
+
+    def receive_buffer(self, index: int) -> memoryview:
+        """Tensor `index`'s buffer, allocated now and writable, to be filled in place (once per tensor)."""
+        spec = self.specs[index]
+        if self._buffers[index] is not None or self._received[index]:
+            raise InvalidPublishError(f"tensor {spec.name!r} is received twice", field=f"header.tensors[{index}]")
+        buffer = self._buffers[index] = bytearray(spec.num_bytes)
+        return memoryview(buffer)
+
+    def mark_received(self, index: int) -> None:
+        """Every byte of tensor `index` was written into the view `receive_buffer` returned."""
+        self._received[index] = self.specs[index].num_bytes
 
     def check_tensor(self, index: int) -> None:
         """Raise InvalidPublishError unless tensor `index` is complete and matches its sha256."""
@@ -172,4 +238,13 @@ class PublishAssembler:
             buffer = self._buffers[index]
             data[spec.name] = buffer if buffer is not None else b""
             self._buffers[index] = None
-        return PublishedVersion(self.job_id, self.version, self.parent_version, self.specs, data)
+        meta = self.meta
+        return PublishedVersion(
+            meta.job_id,
+            meta.version,
+            meta.parent_version,
+            self.specs,
+            data,
+            step_finished_unix_ms=meta.step_finished_unix_ms,
+            restored_from_version=meta.restored_from_version,
+        )

@@ -15,13 +15,12 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from miles.weightsync.datachannel import ACK, HELLO, MAGIC, connection_tensors, shutdown_quietly
-from miles.weightsync.errors import DataChannelError, DataChannelSetupError, InvalidPublishError
+from miles.weightsync.datachannel import MAGIC, close_all, connection_tensors, open_connections, shutdown_quietly
+from miles.weightsync.errors import DataChannelError, InvalidPublishError
 from miles.weightsync.manifest import TensorBytes, TensorSpec, manifest_digest
 from miles.weightsync.publish import PublishedVersion
 
 _HASH_THREADS = 2
-SETUP_TIMEOUT_S = 10.0  # connect + ACK: a port that a firewall drops must not hold a load for the whole timeout_s
 
 
 class DataChannelReceiver:
@@ -43,23 +42,9 @@ class DataChannelReceiver:
     def connect(self) -> None:
         """Open every connection, then wait for each ACK (the handshakes overlap): after this, the transfer runs
         or fails, with no fallback."""
-        try:
-            for index in range(len(self.tensors)):
-                if self._aborted.is_set():
-                    raise DataChannelSetupError("the transfer was cancelled")
-                connection = socket.create_connection(self.address, timeout=min(self.timeout_s, SETUP_TIMEOUT_S))
-                self._sockets.append(connection)
-                connection.sendall(HELLO.pack(MAGIC, self.token, index))
-            for index, connection in enumerate(self._sockets):
-                if connection.recv(len(ACK)) != ACK:
-                    raise DataChannelSetupError(f"the daemon refused data connection {index} (token or expiry)")
-                connection.settimeout(self.timeout_s)
-        except OSError as exc:
-            self.close()
-            raise DataChannelSetupError(f"data channel to {self.address[0]}:{self.address[1]}: {exc}") from exc
-        except DataChannelSetupError:
-            self.close()
-            raise
+        open_connections(
+            self._sockets, self.address, MAGIC, self.token, len(self.tensors), self.timeout_s, self._aborted
+        )
 
     def receive(
         self, buffers: Sequence[memoryview] | None = None, on_tensor: Callable[[int, memoryview], None] | None = None
@@ -126,8 +111,7 @@ class DataChannelReceiver:
             shutdown_quietly(connection)
 
     def close(self) -> None:
-        for connection in self._sockets:
-            connection.close()
+        close_all(self._sockets)
 
 
 def _receive_verified(receiver: DataChannelReceiver) -> list[memoryview]:

@@ -56,6 +56,7 @@ class RolloutPlan:
     max_engines_updating: int
     engine_timeout_s: float
     engine_urls: tuple[str, ...] = ()  # empty: every engine
+    step_finished_unix_ms: int = 0  # 0: unknown
 
 
 def outcome_from_pb(message: pb.EngineVersion, daemon: str) -> EngineOutcome:
@@ -67,6 +68,10 @@ def outcome_from_pb(message: pb.EngineVersion, daemon: str) -> EngineOutcome:
         fell_back=message.fell_back,
         update_duration_s=message.update_duration_s,
         daemon=daemon,
+        pause_s=message.pause_s,
+        transfer_s=message.transfer_s,
+        wire_bytes=message.wire_bytes,
+        step_to_serving_s=message.step_to_serving_s,
     )
 
 
@@ -161,12 +166,27 @@ class RolloutRunner:
                     if not daemon:
                         assert transport is not None
                         return await self.local.update(
-                            url, plan.version, transport, plan.pause_mode, plan.engine_timeout_s
+                            url,
+                            plan.version,
+                            transport,
+                            plan.pause_mode,
+                            plan.engine_timeout_s,
+                            step_finished_unix_ms=plan.step_finished_unix_ms,
                         )
                     outcome = await self._update_on_peer(daemon, url, plan)
                     kind = ENGINE_UPDATE_FAILED if outcome.update_failed else ENGINE_UPDATED
                     await self.events.emit(
-                        VersionEvent(kind, plan.version, url, error=outcome.error, fell_back=outcome.fell_back)
+                        VersionEvent(
+                            kind,
+                            plan.version,
+                            url,
+                            error=outcome.error,
+                            fell_back=outcome.fell_back,
+                            pause_s=outcome.pause_s,
+                            transfer_s=outcome.transfer_s,
+                            wire_bytes=outcome.wire_bytes,
+                            step_to_serving_s=outcome.step_to_serving_s,
+                        )
                     )
                     return outcome
 
@@ -185,6 +205,7 @@ class RolloutRunner:
             max_engines_updating=1,
             engine_timeout_s=plan.engine_timeout_s,
             engine_urls=[url],
+            step_finished_unix_ms=plan.step_finished_unix_ms,
         )
         try:
             response = await self.peers.client(daemon).update_engines(request)

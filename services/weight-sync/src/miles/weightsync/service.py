@@ -1,39 +1,43 @@
-"""The weight-sync core of one job: publish into the store, roll versions out, answer version queries, serve
-versions to the other daemons. Plain asyncio; the gRPC layer (grpc_api.py) only translates messages.
+"""The weight-sync core of one job: roll versions out, answer version queries, serve versions to the other
+daemons, and (on the origin) take publishes through `intake` (intake.py). Plain asyncio; the gRPC layer
+(grpc_api.py) only translates messages.
 
-Publishing (origin only): the header is checked against the store's latest version, chunks are assembled in
-memory, the commit is verified (publish.py), and only then — under the store's write lock, with the parent
-re-checked — the version is encoded (a snapshot every `snapshot_interval` versions, deltas against the parent in
-between), its blobs and then its manifest are written, the head cache moves to it, retention runs, and (with
-`auto_update`) a rollout of the newest version is scheduled. A daemon that has an `origin` refuses publishes.
+With `auto_update`, every version stored (or published again) is rolled out to the engines, newest first when
+they queue up, and the origin's reconcile loop (reconcile.py) catches up engines left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles.common.errors import FailedPreconditionError
 from miles.common.telemetry import Metrics
+from miles.common.weights import weights_digest
 from miles.weightsync.daemon_client import DaemonClient
 from miles.weightsync.datachannel import ChannelOffer, DataChannelServer
 from miles.weightsync.engine_client import RouterClient
 from miles.weightsync.engines import EngineOutcome, LocalEngines
-from miles.weightsync.errors import DataChannelSetupError, UnknownJobError, WrongParentError
-from miles.weightsync.events import STORED, EventLog, VersionEvent
-from miles.weightsync.manifest import Manifest, TensorSpec
+from miles.weightsync.errors import (
+    DataChannelSetupError,
+    UnknownJobError,
+)
+from miles.weightsync.events import EventLog, VersionEvent
+from miles.weightsync.intake import PublishIntake, start_data_server
+from miles.weightsync.manifest import Manifest
 from miles.weightsync.metrics import WeightsyncMetrics
 from miles.weightsync.provider import WeightProvider
-from miles.weightsync.publish import PublishAssembler, PublishedVersion, check_header
+from miles.weightsync.publish_channel import PublishChannel
+from miles.weightsync.reconcile import Reconciler, reconcile_forever
 from miles.weightsync.rollout import Peers, RolloutPlan, RolloutRunner
 from miles.weightsync.settings import WeightsyncSettings
-from miles.weightsync.store import VersionStore
+from miles.weightsync.store import SupersededRange, VersionStore
 from miles.weightsync.transports import TransportDeps, WeightTransport, make_transport
-from miles.weightsync.weights import WeightSet, encode_version
+from miles.weightsync.weights import WeightSet
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ class VersionStatus:
     latest_version: int
     stored_versions: list[int]
     engines: list[EngineOutcome]
+    superseded: list[SupersededRange]
+    latest_weights_digest: str
 
 
 class WeightSyncCore:
@@ -67,6 +73,7 @@ class WeightSyncCore:
             if serves_data
             else None
         )
+        self.publish_channel = PublishChannel(self.data_server, self.metrics) if self.data_server is not None else None
         self.events = EventLog(settings.event_history)
         timeout_s = settings.engine_request_timeout_s
         self.router = RouterClient(settings.router_url, settings.pool, timeout_s) if settings.router_url else None
@@ -79,10 +86,21 @@ class WeightSyncCore:
         )
         self.peers = Peers(settings.peers, settings.peers_dns, settings.port)
         self.rollouts = RolloutRunner(self.job_id, self.local, self.peers, self.transport, self.events, self.metrics)
+        self.intake = PublishIntake(
+            settings,
+            self.store,
+            self.provider,
+            self.metrics,
+            self.events,
+            publish_channel=self.publish_channel,
+            data_server=self.data_server,
+            on_stored=self._on_stored,
+        )
         self._transports: dict[str, WeightTransport] = {}
         self._wanted_version = -1
         self._rolled_version = -1
         self._auto_task: asyncio.Task[None] | None = None
+        self._reconcile_task: asyncio.Task[None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,10 +109,26 @@ class WeightSyncCore:
         self.metrics.stored_versions.set(len(versions))
         if self.data_server is not None:
             self.data_server.start()
+        s = self.settings
+        if self.origin is None and s.auto_update and s.reconcile_interval_s > 0:
+            reconciler = Reconciler(initial_backoff_s=s.reconcile_interval_s, max_backoff_s=s.reconcile_max_backoff_s)
+            self._reconcile_task = asyncio.create_task(
+                reconcile_forever(
+                    s.reconcile_interval_s,
+                    reconciler,
+                    idle=self._rollouts_idle,
+                    status=self._engine_versions,
+                    update=self._catch_up,
+                )
+            )
 
     async def close(self) -> None:
+        if self._reconcile_task is not None:
+            self._reconcile_task.cancel()
         if self._auto_task is not None:
             self._auto_task.cancel()
+        if self.publish_channel is not None:
+            self.publish_channel.close()
         if self.data_server is not None:
             await self.data_server.close()
         await self.local.close()
@@ -120,130 +154,54 @@ class WeightSyncCore:
             self._transports[name] = make_transport(name, deps)
         return self._transports[name]
 
-    # --- publish -------------------------------------------------------------------------------------------------
-    async def begin_publish(
-        self, job_id: str, version: int, parent_version: int, specs: Sequence[TensorSpec]
-    ) -> PublishAssembler:
-        """Check a publish header against the store; the assembler then takes the chunks."""
-        self.check_job(job_id)
-        if self.origin is not None:
-            raise WrongParentError(f"publish to the origin daemon {self.settings.origin}, not to this one")
-        latest = await self.provider.latest_version()
-        parent_specs = None
-        if latest >= 0:
-            head = self.provider.head
-            parent_specs = head.specs if head is not None and head.version == latest else None
-            if parent_specs is None:
-                parent_specs = (await asyncio.to_thread(self.store.get_manifest, latest)).specs
-        check_header(
-            version=version,
-            parent_version=parent_version,
-            specs=specs,
-            latest_version=latest,
-            parent_specs=parent_specs,
-            max_bytes=self.settings.max_publish_bytes,
-        )
-        return PublishAssembler(job_id, version, parent_version, specs)
-
-    async def store_published(self, published: PublishedVersion) -> Manifest:
-        """Encode and write a checked version (the commit point is its manifest), then schedule its rollout."""
-        async with self.provider.write_lock:
-            latest = await asyncio.to_thread(self.store.latest_version)
-            if published.parent_version != latest:
-                raise WrongParentError(
-                    f"parent_version {published.parent_version} is no longer the latest version {latest}",
-                    field="header.parent_version",
-                )
-            manifest = await self._encode_and_write(published)
-            self.provider.head = WeightSet(published.version, published.specs, published.data)
-            retained = await asyncio.to_thread(self.store.apply_retention, self.settings.retain_versions)
-        self._record_stored(manifest, retained.deleted_versions)
-        await self.events.emit(
-            VersionEvent(STORED, manifest.version, full_bytes=manifest.full_bytes, stored_bytes=manifest.stored_bytes)
-        )
-        if self.settings.auto_update:
-            self._schedule_rollout(manifest.version)
-        return manifest
-
-    async def _encode_and_write(self, published: PublishedVersion) -> Manifest:
-        parent: WeightSet | None = None
-        snapshot_version = published.version
-        if published.parent_version >= 0:
-            parent_manifest = await asyncio.to_thread(self.store.get_manifest, published.parent_version)
-            if published.version - parent_manifest.snapshot_version < self.settings.snapshot_interval:
-                snapshot_version = parent_manifest.snapshot_version
-                head = self.provider.head
-                parent = head if head is not None and head.version == published.parent_version else None
-                parent = parent or await self.provider.materialize(published.parent_version)
-        start_s = time.perf_counter()
-        stored, blobs = await asyncio.to_thread(
-            encode_version,
-            published.specs,
-            published.data,
-            parent,
-            snapshot=parent is None,
-            level=self.settings.zstd_level,
-        )
-        self.metrics.observe_phase("encode", time.perf_counter() - start_s)
-        manifest = Manifest(
-            job_id=self.job_id,
-            version=published.version,
-            parent_version=published.parent_version,
-            created_at_unix_ms=int(time.time() * 1000),
-            is_snapshot=parent is None,
-            snapshot_version=snapshot_version,
-            tensors=tuple(stored),
-        )
-        start_s = time.perf_counter()
-        for data in blobs.values():
-            await asyncio.to_thread(self.store.put_blob, data)
-        await asyncio.to_thread(self.store.put_manifest, manifest)
-        self.metrics.observe_phase("store", time.perf_counter() - start_s)
-        return manifest
-
-    def _record_stored(self, manifest: Manifest, deleted_versions: Sequence[int]) -> None:
-        m = self.metrics
-        m.publishes.labels("stored").inc()
-        m.publish_bytes.labels("full").inc(manifest.full_bytes)
-        m.publish_bytes.labels("snapshot" if manifest.is_snapshot else "delta").inc(manifest.stored_bytes)
-        if not manifest.is_snapshot and manifest.full_bytes:
-            ratio = manifest.stored_bytes / manifest.full_bytes
-            m.delta_ratio.set(ratio)
-            m.delta_ratio_hist.observe(ratio)
-            m.changed_elements_ratio.set(manifest.num_changed / max(1, manifest.num_elements))
-        m.latest_version.set(manifest.version)
-        log.info(
-            "version stored",
-            extra={
-                "job_id": self.job_id,
-                "weight_version": manifest.version,
-                "is_snapshot": manifest.is_snapshot,
-                "full_bytes": manifest.full_bytes,
-                "stored_bytes": manifest.stored_bytes,
-                "deleted_versions": list(deleted_versions),
-            },
-        )
-
     # --- rollouts ------------------------------------------------------------------------------------------------
+    def _on_stored(self, version: int) -> None:
+        """A version was stored or published again: with auto_update, roll it out (the newest wins)."""
+        if self.settings.auto_update:
+            self._schedule_rollout(version)
+
     def _schedule_rollout(self, version: int) -> None:
         self._wanted_version = max(self._wanted_version, version)
         if self._auto_task is None or self._auto_task.done():
             self._auto_task = asyncio.create_task(self._auto_rollouts())
 
     async def _auto_rollouts(self) -> None:
-        s = self.settings
         while self._rolled_version < self._wanted_version:
             version = self._wanted_version
-            plan = RolloutPlan(version, s.transport, s.pause_mode, s.max_engines_updating, s.engine_timeout_s)
             try:
-                await self.rollouts.run(plan)
-            except Exception:  # a background rollout must not die silently; the next publish retries
+                await self.rollouts.run(await self._default_plan(version))
+            except Exception:  # a background rollout must not die silently; the reconcile loop catches up
                 log.exception("automatic rollout failed", extra={"weight_version": version})
             self._rolled_version = version
 
+    async def _default_plan(self, version: int, engine_urls: Sequence[str] = ()) -> RolloutPlan:
+        s = self.settings
+        manifest = await asyncio.to_thread(self.store.get_manifest, version)
+        return RolloutPlan(
+            version,
+            s.transport,
+            s.pause_mode,
+            s.max_engines_updating,
+            s.engine_timeout_s,
+            engine_urls=tuple(engine_urls),
+            step_finished_unix_ms=manifest.step_finished_unix_ms,
+        )
+
+    def _rollouts_idle(self) -> bool:
+        return not self.rollouts.lock.locked() and self._rolled_version >= self._wanted_version
+
+    async def _engine_versions(self) -> tuple[int, list[EngineOutcome]]:
+        status = await self.status()
+        return status.latest_version, status.engines
+
+    async def _catch_up(self, version: int, engine_urls: list[str]) -> list[EngineOutcome]:
+        return await self.rollouts.run(await self._default_plan(version, engine_urls))
+
     async def update_engines(self, plan: RolloutPlan) -> list[EngineOutcome]:
         if self.origin is None:  # the authoritative store must have it; other daemons fetch it while loading
-            await self.provider.ensure_stored(plan.version)
+            manifest = await self.provider.ensure_stored(plan.version)
+            if not plan.step_finished_unix_ms:
+                plan = dataclasses.replace(plan, step_finished_unix_ms=manifest.step_finished_unix_ms)
         if self.local.urls:
             self.transport(plan.transport)  # refuse an unusable transport before touching any engine
         return await self.rollouts.run(plan)
@@ -255,7 +213,18 @@ class WeightSyncCore:
         peer_engines, unreachable = await self.peers.engines(self.job_id)
         engines += [outcome for _, outcome in peer_engines] + unreachable
         self.metrics.stored_versions.set(len(versions))
-        return VersionStatus(versions[-1] if versions else -1, versions, engines)
+        latest = versions[-1] if versions else -1
+        superseded = await asyncio.to_thread(self.store.superseded)
+        return VersionStatus(latest, versions, engines, superseded, await self._digest_of(latest))
+
+    async def _digest_of(self, version: int) -> str:
+        if version < 0:
+            return ""
+        head = self.provider.head
+        specs = head.specs if head is not None and head.version == version else None
+        if specs is None:
+            specs = (await asyncio.to_thread(self.store.get_manifest, version)).specs
+        return weights_digest({spec.name: spec.sha256 for spec in specs})
 
     def watch(self, from_version: int) -> AsyncIterator[VersionEvent]:
         return self.events.watch(from_version)
@@ -268,11 +237,10 @@ class WeightSyncCore:
         if self.data_server is None:
             raise FailedPreconditionError("the data channel is off on this daemon; use FetchWeights")
         weights = await self.full_weights(version)
-        if not self.data_server.started:
-            try:
-                self.data_server.start()
-            except DataChannelSetupError as exc:
-                raise FailedPreconditionError(exc.message) from exc
+        try:
+            start_data_server(self.data_server)
+        except DataChannelSetupError as exc:
+            raise FailedPreconditionError(exc.message) from exc
         return self.data_server.offer(weights, num_connections)
 
     async def stored_blobs(self, version: int) -> tuple[Manifest, list[str]]:

@@ -82,6 +82,14 @@ class WeightsyncSettings(ServiceSettings):
     auto_update: bool = True
     """Roll every stored version out to the engines right after PublishWeights (newest wins when they queue up)."""
 
+    reconcile_interval_s: float = Field(default=5.0, ge=0)
+    """On the origin with auto_update: every this many seconds, engines behind the latest stored version (an engine
+    that restarted, joined in a resize, or whose update failed) get it, with a per-engine backoff after failures
+    (doubling up to reconcile_max_backoff_s). 0 disables."""
+
+    reconcile_max_backoff_s: float = Field(default=60.0, gt=0)
+    """Longest wait before retrying an engine whose catch-up failed, seconds."""
+
     work_dir: str = ".miles/weightsync/work"
     """Scratch directory for the HF checkpoints the disk transport writes; the engine must see the same path."""
 
@@ -98,8 +106,9 @@ class WeightsyncSettings(ServiceSettings):
 
     data_channel: bool = True
     """Move full loads (the stream transport, full loads and fallbacks of daemons with an origin) over a one-shot
-    raw TCP data channel negotiated over gRPC (OpenDataChannel); the origin serves it on data_port. false = gRPC
-    FetchWeights streams only. A receiver falls back to FetchWeights when the channel cannot be set up."""
+    raw TCP data channel negotiated over gRPC (OpenDataChannel), and take the trainer's publishes over one
+    (OpenPublishChannel); the origin serves both on data_port. false = gRPC only (FetchWeights, PublishWeights).
+    A receiver falls back to FetchWeights, the trainer to PublishWeights, when the channel cannot be set up."""
 
     data_port: int = Field(default=0, ge=0, le=65535)
     """TCP port of the origin's data channel listener, bound on `host` (0 = an ephemeral port, announced in each
@@ -110,8 +119,8 @@ class WeightsyncSettings(ServiceSettings):
     port at)."""
 
     data_timeout_s: float = Field(default=60.0, gt=0)
-    """Seconds an offered data channel waits for its connections, and the longest a data connection may stall
-    (sending or receiving) before the transfer fails."""
+    """Seconds an offered data channel waits for its connections, the longest a data connection may stall
+    (sending or receiving) before the transfer fails, and how long a received publish waits for CommitPublish."""
 
     tensor_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
     """Most raw tensor bytes in one /update_weights_from_tensor request (bigger loads are split)."""

@@ -5,6 +5,8 @@ Layout under `<store root>/<job_id>/`:
 
     objects/<sha256[:2]>/<sha256>     a tensor's stored form (delta.py), named by the sha256 of its bytes
     versions/<version:012d>.json      the version's manifest (manifest.py), written last: the commit point
+    superseded.json                   ranges of versions a restarted trainer superseded (written before the
+                                      manifest of the version that supersedes them; kept through retention)
 
 Blobs are written once (identical content has the same name, so rewriting is a no-op) and checked against their
 name on every read. A manifest is never replaced by a different one. A version exists once its manifest does; a
@@ -21,6 +23,7 @@ All methods are synchronous (fsspec); async callers run them in a thread.
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -31,6 +34,16 @@ from miles.weightsync.errors import StoreCorruptError, VersionNotFoundError, Wro
 from miles.weightsync.manifest import Manifest
 
 _VERSION_DIGITS = 12
+
+
+@dataclass(frozen=True)
+class SupersededRange:
+    """Versions first_version..last_version (a dead trainer's) were superseded by by_version (its successor's
+    restored checkpoint, published under a new number)."""
+
+    first_version: int
+    last_version: int
+    by_version: int
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,30 @@ class VersionStore:
         versions = self.list_versions()
         return versions[-1] if versions else -1
 
+    # --- supersession -------------------------------------------------------------------------------------------
+    def superseded(self) -> list[SupersededRange]:
+        """Every superseded range recorded, oldest first."""
+        path = f"{self.root}/superseded.json"
+        try:
+            raw = json.loads(self.fs.cat_file(path).decode())
+        except FileNotFoundError:
+            return []
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise StoreCorruptError(f"superseded.json is unreadable: {exc}") from exc
+        return [SupersededRange(int(r["first_version"]), int(r["last_version"]), int(r["by_version"])) for r in raw]
+
+    def add_superseded(self, entry: SupersededRange) -> None:
+        """Record a range (a no-op when it is recorded already: a retried publish writes it again)."""
+        entries = self.superseded()
+        if entry in entries:
+            return
+        entries.append(entry)
+        body = [
+            {"first_version": e.first_version, "last_version": e.last_version, "by_version": e.by_version}
+            for e in entries
+        ]
+        self._write(f"{self.root}/superseded.json", json.dumps(body).encode())
+
     # --- retention ---------------------------------------------------------------------------------------------
     def apply_retention(self, retain_versions: int) -> RetentionResult:
         """Delete versions older than every kept chain needs, then blobs no kept manifest references."""
@@ -149,6 +186,7 @@ class VersionStore:
         return [str(p) for p in self.fs.find(directory) if ".tmp-" not in str(p)]
 
     def _write(self, path: str, data: bytes) -> None:
+        """Write (or replace) a file whole: temp file + rename locally, one PUT on object stores."""
         parent = path.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
         if not self._atomic_rename:

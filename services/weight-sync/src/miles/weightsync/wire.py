@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.weightsync.errors import InvalidPublishError
 from miles.weightsync.manifest import TensorBytes, TensorSpec, manifest_digest
-from miles.weightsync.publish import PublishAssembler, PublishedVersion
+from miles.weightsync.publish import PublishAssembler, PublishedVersion, PublishMeta
 
 
 def spec_to_pb(spec: TensorSpec) -> pb.TensorSpec:
@@ -49,6 +49,18 @@ def header_message(
         job_id=job_id, version=version, parent_version=parent_version, tensors=[spec_to_pb(s) for s in specs]
     )
     return pb.PublishWeightsChunk(header=header)
+
+
+def meta_from_pb(header: pb.PublishHeader) -> PublishMeta:
+    """The scalar fields of a PublishHeader."""
+    restored = header.restored_from_version if header.HasField("restored_from_version") else None
+    return PublishMeta(
+        job_id=header.job_id,
+        version=header.version,
+        parent_version=header.parent_version,
+        step_finished_unix_ms=header.step_finished_unix_ms,
+        restored_from_version=restored,
+    )
 
 
 def commit_message(specs: Sequence[TensorSpec]) -> pb.PublishWeightsChunk:
@@ -206,7 +218,8 @@ async def receive_weights(streams: Sequence[AsyncIterator[pb.PublishWeightsChunk
                 header = message.header
                 specs = [spec_from_pb(t) for t in header.tensors]
                 if checks is None:
-                    checks = TensorChecks(PublishAssembler(header.job_id, header.version, header.parent_version, specs))
+                    meta = PublishMeta(header.job_id, header.version, header.parent_version)
+                    checks = TensorChecks(PublishAssembler(meta, specs))
                 elif tuple(specs) != checks.assembler.specs:
                     raise InvalidPublishError("shard streams disagree on the version's tensors", field="header")
             elif kind == "chunk" and checks is not None:
