@@ -186,9 +186,13 @@ def trainer_env(
     checkpoint_dir: Path,
     **train: Any,
 ) -> dict[str, str]:
-    """Environment of a miles-trainer for a test job; `train` entries become MILES_TRAINER_TRAIN__<KEY>."""
+    """Environment of a miles-trainer for a test job; `train` entries become MILES_TRAINER_TRAIN__<KEY>. Versions
+    are published to `<checkpoint_dir>/published/weights-v.../` in float32 (the `disk` publisher, no engines
+    unless a test adds some), so tests can load exactly what the trainer trained."""
     env = {
         "MILES_TRAINER_JOB_ID": job_id,
+        "MILES_TRAINER_PUBLISH__KIND": "disk",
+        "MILES_TRAINER_PUBLISH__DTYPE": "float32",
         "MILES_TRAINER_BUFFER_ADDRESS": buffer.target,
         "MILES_TRAINER_MODEL_PATH": str(model_dir),
         "MILES_TRAINER_CHECKPOINT_DIR": str(checkpoint_dir),

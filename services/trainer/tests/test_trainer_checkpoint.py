@@ -1,17 +1,22 @@
 """Checkpoint files: atomic directories with everything a restart needs, retention, leftovers of a crash, the
-ledger of trained groups (cut back to the restored step, torn lines survived), and the disk publisher."""
+ledger of trained groups (cut back to the restored step, torn lines survived), the disk publisher and the choice of
+publisher."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from miles.common.testing import free_port
 from miles.model import read_safetensors_dir
 from miles.trainer.checkpoint import CheckpointStore, TrainerState, restore_rng, rng_state
-from miles.trainer.publish import DiskPublisher, NullPublisher, make_publisher
+from miles.trainer.publish import NullPublisher, digest_of, make_publisher
+from miles.trainer.publish_engines import DiskPublisher
+from miles.trainer.publish_ledger import PublishLedger
+from miles.trainer.publish_stream import StreamPublisher
 from miles.trainer.settings import PublishSettings, TrainerSettings
 
 TENSORS = {"model.norm.weight": torch.arange(4, dtype=torch.float32), "lm_head.weight": torch.ones(2, 4)}
@@ -91,17 +96,27 @@ async def test_disk_publisher_writes_versions_atomically_keeps_the_last_and_coun
     tmp_path: Path,
 ) -> None:
     dead_engine = f"http://127.0.0.1:{free_port()}"
-    publisher = DiskPublisher(
-        tmp_path, PublishSettings(keep_last=2, engine_urls=[dead_engine], engine_timeout_s=2), source_model_dir=None
+    settings = TrainerSettings(
+        job_id="j",
+        model_path=tmp_path,
+        checkpoint_dir=tmp_path / "c",
+        publish=PublishSettings(
+            kind="disk", dir=tmp_path / "p", keep_last=2, engine_urls=[dead_engine], engine_timeout_s=2, dtype="float32"
+        ),
     )
-    (tmp_path / "weights-v000009").mkdir()  # a version published by a crashed run beyond the restored one
+    publisher = make_publisher(settings)
+    assert isinstance(publisher, DiskPublisher)
     for version in (1, 2, 3):
-        result = await publisher.publish(version, TENSORS)
+        record = await publisher.publish(version, TENSORS, step=version, step_finished_unix_ms=0)
     await publisher.close()
-    assert result.location == str(tmp_path / "weights-v000003")
-    assert result.failed_engines == [dead_engine]
-    assert _names(tmp_path) == ["weights-v000002", "weights-v000003"]
-    assert torch.equal(read_safetensors_dir(tmp_path / "weights-v000003")["lm_head.weight"], TENSORS["lm_head.weight"])
+    assert record.version == 3 and record.weights_digest == digest_of(TENSORS)
+    assert publisher.take_failures() == 3  # the dead engine, once per version
+    assert _names(tmp_path / "p") == ["weights-v000002", "weights-v000003"]
+    assert torch.equal(
+        read_safetensors_dir(tmp_path / "p" / "weights-v000003")["lm_head.weight"], TENSORS["lm_head.weight"]
+    )
+    ledger = PublishLedger(tmp_path / "c")
+    assert [r.version for r in ledger.records("intent")] == [r.version for r in ledger.records()] == [1, 2, 3]
 
 
 def _names(directory: Path) -> list[str]:
@@ -113,5 +128,24 @@ def test_make_publisher_follows_settings(tmp_path: Path) -> None:
         job_id="j", model_path=tmp_path, checkpoint_dir=tmp_path / "c", publish=PublishSettings(kind="none")
     )
     assert isinstance(make_publisher(settings), NullPublisher)
-    disk = make_publisher(TrainerSettings(job_id="j", model_path=tmp_path, checkpoint_dir=tmp_path / "c"))
+    disk = make_publisher(
+        TrainerSettings(
+            job_id="j", model_path=tmp_path, checkpoint_dir=tmp_path / "c", publish=PublishSettings(kind="disk")
+        )
+    )
     assert isinstance(disk, DiskPublisher) and disk.root == tmp_path / "c" / "published"
+    stream = make_publisher(
+        TrainerSettings(
+            job_id="j",
+            model_path=tmp_path,
+            checkpoint_dir=tmp_path / "c",
+            publish=PublishSettings(weightsync_address="127.0.0.1:1"),
+        )
+    )
+    assert isinstance(stream, StreamPublisher) and stream.address == "127.0.0.1:1"
+    with pytest.raises(ValueError, match="weightsync_address"):
+        TrainerSettings(job_id="j", model_path=tmp_path, checkpoint_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match=r"needs publish\.router_url"):
+        TrainerSettings(
+            job_id="j", model_path=tmp_path, checkpoint_dir=tmp_path / "c", publish=PublishSettings(kind="nccl")
+        )

@@ -26,6 +26,7 @@ REJECT_REASONS = (
     "too_long",
     "non_finite",
     "empty_prompt",
+    "superseded_version",
 )
 
 
@@ -57,6 +58,8 @@ class TrainSample:
     max_version: int | None
     advantage: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    span_versions: tuple[int, ...] = ()
+    """The weight version of each generated span (what generated the response)."""
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +126,7 @@ def samples_from_group(
                 trainable=sample.status in TRAINABLE_STATUSES,
                 min_version=min(versions) if versions else None,
                 max_version=max(versions) if versions else None,
+                span_versions=tuple(versions),
             )
         )
     return samples

@@ -93,14 +93,20 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
-def write_hf_dir(out_dir: Path, tensors: dict[str, torch.Tensor], source_model_dir: Path | None) -> None:
-    """An HF model directory: the non-weight files of source_model_dir plus model.safetensors (float32)."""
+def write_hf_dir(
+    out_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    source_model_dir: Path | None,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """An HF model directory: the non-weight files of source_model_dir plus model.safetensors (in `dtype`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if source_model_dir is not None:
         for name in _COPIED_MODEL_FILES:
             if (source_model_dir / name).is_file():
                 shutil.copyfile(source_model_dir / name, out_dir / name)
-    contiguous = {name: t.detach().to(torch.float32).contiguous().cpu() for name, t in tensors.items()}
+    contiguous = {name: t.detach().to(dtype).contiguous().cpu() for name, t in tensors.items()}
     save_file(contiguous, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.common.errors import FailedPreconditionError, UnavailableError
+from miles.common.errors import FailedPreconditionError, MilesError, UnavailableError
 
 
 class OnPolicyViolationError(FailedPreconditionError):
@@ -21,3 +21,17 @@ class TrainerBusyError(UnavailableError):
     """The trainer cannot take the request right now (e.g. it is starting up); retry."""
 
     code = "trainer_busy"
+
+
+class PublishDigestMismatchError(MilesError):
+    """The receiver of a published version reports another weights digest than the trainer computed: bytes changed
+    on the way. Not retryable (the trainer fails; its restart resumes publishing from its checkpoint)."""
+
+    code = "publish_digest_mismatch"
+
+
+class PublishStateError(FailedPreconditionError):
+    """What the receiving side holds cannot be reconciled with the trainer's weights (e.g. the weight-sync store is
+    behind the trainer's checkpoint); the message says what was found."""
+
+    code = "publish_state"

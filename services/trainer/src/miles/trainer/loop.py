@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from miles.common.errors import MilesError
+from miles.common.faults import crash_point
 from miles.proto.buffer.v1 import buffer_pb2
 from miles.proto.trainer.v1 import trainer_pb2
 from miles.trainer.assemble import assemble
@@ -37,6 +37,7 @@ from miles.trainer.errors import OnPolicyViolationError, TrainerNotRunningError
 from miles.trainer.events import Event, EventLog
 from miles.trainer.metrics import TrainerMetrics
 from miles.trainer.publish import WeightPublisher
+from miles.trainer.publish_ledger import SupersededRange, VersionRecord
 from miles.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Trainer:
         self._recent_commits: deque[set[str]] = deque(maxlen=2)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         self._wait_data_s = 0.0
+        self._step_finished_unix_ms = 0
+        self._superseded: list[SupersededRange] = []
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -111,8 +114,7 @@ class Trainer:
                 if groups is None:
                     break
                 await self.train_on(groups)
-                if self.step % self.settings.publish.interval_steps == 0:
-                    await self.publish()
+                await self.publish()
                 if self.step % self.train.checkpoint_interval_steps == 0 or self._budget_spent():
                     await self.checkpoint()
                 await self._serve_checkpoint_requests()
@@ -155,9 +157,8 @@ class Trainer:
                 "restored": latest is not None,
             },
         )
+        await self.resume_publishing()
         self._update_gauges()
-        if latest is not None:
-            await self.publish()
 
     async def collect_batch(self) -> list[PulledGroup] | None:
         """batch_size_groups valid, not-yet-trained groups, or None when Stop was asked for meanwhile."""
@@ -203,6 +204,7 @@ class Trainer:
         result = await self._compute(self.runner.train_step, assembled.plan)
         if result.violation is not None:
             raise OnPolicyViolationError(result.violation)
+        self._step_finished_unix_ms = int(time.time() * 1000)
         self.step += 1
         self.weight_version += 1
         self.consumer.holdings.mark_trained([g.group_id for g in groups])
@@ -219,15 +221,50 @@ class Trainer:
         }
         self._record_step(values, groups, assembled.num_samples, assembled.num_tokens)
 
+    async def resume_publishing(self) -> None:
+        """Publish the weights the trainer starts from (version 0 of a new job is its initial weights); after a
+        crash, a version above the checkpoint published by the dead process makes this a rewind to a new number
+        (miles.trainer.publish), and groups of the superseded versions are refused from then on."""
+        tensors = await self._compute(self.runner.hf_tensors)
+        record = await self.publisher.resume(self.weight_version, tensors, step=self.step)
+        self._superseded = self.publisher.superseded
+        if record.version != self.weight_version:
+            self.events.publish(
+                Event(
+                    "rewind",
+                    self.step,
+                    message=f"restored version {self.weight_version} published as {record.version}; versions "
+                    f"{self.weight_version + 1}..{record.version - 1} of a dead trainer are superseded",
+                )
+            )
+            self.weight_version = record.version
+        self._published(record)
+
     async def publish(self) -> None:
         started = time.perf_counter()
         tensors = await self._compute(self.runner.hf_tensors)
-        result = await self.publisher.publish(self.weight_version, tensors)
-        if result.failed_engines:
-            self.metrics.publish_failures.inc(len(result.failed_engines))
+        record = await self.publisher.publish(
+            self.weight_version, tensors, step=self.step, step_finished_unix_ms=self._step_finished_unix_ms
+        )
         publish_s = time.perf_counter() - started
         self.metrics.phase_seconds.labels("publish").observe(publish_s)
         self.last_metrics["publish_s"] = publish_s
+        self._published(record)
+
+    def _published(self, record: VersionRecord) -> None:
+        self.metrics.published_version.set(record.version)
+        failures = self.publisher.take_failures()
+        if failures:
+            self.metrics.publish_failures.inc(failures)
+        if record.weights_digest:
+            self.events.publish(
+                Event(
+                    "published",
+                    self.step,
+                    metrics={"weight_version": record.version, "num_bytes": record.num_bytes},
+                    message=record.weights_digest,
+                )
+            )
 
     async def checkpoint(self) -> CheckpointOutcome:
         """A durable checkpoint of the current step (unless one exists), then ack what it covers."""
@@ -250,9 +287,7 @@ class Trainer:
             await asyncio.to_thread(self.store.append_ledger, self.step, committed)
             self.checkpoint_step, self.checkpoint_path = self.step, str(path)
             self.metrics.checkpoints.inc()
-            if self.step == self.settings.test_crash_before_ack_at_step:
-                log.warning("fault injection: exiting between a durable checkpoint and its acks")
-                os._exit(137)
+            crash_point("trainer.checkpoint.before_ack", self.step)
         if committed:
             self._recent_commits.append(set(committed))
         outcome = await self.consumer.ack_committed()
@@ -336,15 +371,31 @@ class Trainer:
                 leased.group, group_index, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_positions
             )
         except BadGroupError as exc:
-            await self.consumer.discard(leased.lease_id, f"trainer rejected the group: {exc}")
-            self.groups_rejected += 1
-            self.metrics.groups_rejected.labels(exc.reason).inc()
-            self.events.publish(Event("rejected", self.step, message=f"group {group_id!r}: {exc}"))
-            log.warning("group rejected", extra={"group_id": group_id, "reason": exc.reason, "why": exc.message})
+            await self._reject(leased, exc.reason, exc.message)
+            return None
+        superseded = self._superseded_span(samples)
+        if superseded is not None:
+            await self._reject(leased, "superseded_version", f"a span was generated by superseded version {superseded}")
             return None
         holdings.pulled[group_id] = leased.lease_id
         staleness = group_staleness(samples, self.weight_version)
         return PulledGroup(group_id, samples, staleness, leased.group.prompt_index, leased.group.epoch)
+
+    async def _reject(self, leased: buffer_pb2.LeasedGroup, reason: str, why: str) -> None:
+        group_id = leased.group.group_id
+        await self.consumer.discard(leased.lease_id, f"trainer rejected the group: {reason}: {why}")
+        self.groups_rejected += 1
+        self.metrics.groups_rejected.labels(reason).inc()
+        self.events.publish(Event("rejected", self.step, message=f"group {group_id!r}: {reason}: {why}"))
+        log.warning("group rejected", extra={"group_id": group_id, "reason": reason, "why": why})
+
+    def _superseded_span(self, samples: list[TrainSample]) -> int | None:
+        """A span version of `samples` that a rewind superseded (None when every span is in the lineage)."""
+        for sample in samples:
+            for version in sample.span_versions:
+                if any(version in superseded for superseded in self._superseded):
+                    return version
+        return None
 
     def _recently_committed(self, group_id: str) -> bool:
         return any(group_id in ids for ids in self._recent_commits)

@@ -86,7 +86,7 @@ async def run_rank0(settings: TrainerSettings, runner: RankRunner, backend: Trai
     assert settings.checkpoint_dir is not None
     metrics = Metrics(SERVICE)
     events = EventLog(settings.events_kept)
-    publisher = make_publisher(settings)
+    publisher = make_publisher(settings, metrics)
     store = CheckpointStore(
         settings.checkpoint_dir, keep_last=settings.train.keep_last_checkpoints, source_model_dir=settings.model_path
     )

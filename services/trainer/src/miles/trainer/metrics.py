@@ -59,7 +59,11 @@ class TrainerMetrics:
         self.groups_acked = metrics.counter("groups_acked", "Leases acked after a durable checkpoint")
         self.leases_lost = metrics.counter("leases_lost", "Leases that expired before their ack (group redelivered)")
         self.checkpoints = metrics.counter("checkpoints", "Durable checkpoints written")
-        self.publish_failures = metrics.counter("publish_failures", "Engines that failed to load a published version")
+        self.publish_failures = metrics.counter(
+            "publish_failures",
+            "Publish attempts that failed and were retried, plus engines that failed to load a version (nccl, disk)",
+        )
+        self.published_version = metrics.gauge("published_version", "Newest weight version published (-1: none)")
         self.phase_seconds = metrics.histogram(
             "step_phase_duration_seconds",
             "Time per step phase: wait_data, forward_backward, optimizer, publish, checkpoint",
@@ -72,6 +76,7 @@ class TrainerMetrics:
         for reason in REJECT_REASONS:
             self.groups_rejected.labels(reason)
         self.checkpoint_step.set(-1)
+        self.published_version.set(-1)
 
     def observe_step(self, values: Mapping[str, float]) -> None:
         for name, gauge in self.step_gauges.items():

@@ -31,26 +31,70 @@ class MegatronSettings(Section):
 
 
 class PublishSettings(Section):
-    """Where new weights go after each step (until weight-sync takes over: a directory per version)."""
+    """How each new weight version leaves the trainer (miles.trainer.publish; the controller writes this section
+    from the job spec's weight_sync.transport)."""
 
-    kind: Literal["disk", "none"] = "disk"
-    """`disk`: an HF safetensors directory per version under `dir`, then optionally /update_weights_from_disk on
-    each engine URL. `none`: do not publish (tests, SFT)."""
+    kind: Literal["stream", "nccl", "disk", "none"] = "stream"
+    """`stream`: to the job's weight-sync origin (`weightsync_address`), which stores it and rolls it out.
+    `nccl`: broadcast straight into the job's engines (SGLang's update-group endpoints; gloo on the CPU).
+    `disk`: an HF directory per version under `dir` (a volume the engines mount), then /update_weights_from_disk.
+    `none`: do not publish (tests, SFT)."""
 
-    dir: Path | None = None
-    """Root of the published versions (`<dir>/weights-v000003/`); default `<checkpoint_dir>/published`."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of published weights (the engines' serving dtype; the trainer keeps float32 master weights). A
+    version's weights digest is computed over these bytes."""
+
+    retry_timeout_s: float = Field(default=600.0, gt=0)
+    """How long a publish that fails retryably (receiver restarting or unreachable) is retried before the trainer
+    fails (and its restart resumes publishing from the checkpoint)."""
+
+    weightsync_address: str = ""
+    """stream: gRPC host:port of the job's weight-sync origin (on Kubernetes its Service)."""
+
+    router_url: str = ""
+    """nccl, disk: the rollout router; the job's engines are its pool `pool`, and `drain` goes through it."""
+
+    pool: str = ""
+    """nccl, disk: the router pool of the job's engines ("" = the job id)."""
 
     engine_urls: list[str] = Field(default_factory=list)
-    """Engine base URLs (http://host:port) told to load each new version with /update_weights_from_disk."""
+    """nccl, disk: engines updated besides the router pool's (base URLs, e.g. http://127.0.0.1:30000)."""
 
-    interval_steps: int = Field(default=1, ge=1)
-    """Publish every this many steps (and the start-up version)."""
+    pause_mode: Literal["drain", "abort", "retract", "in_place"] = "drain"
+    """nccl, disk: how an engine is quiesced for its update (drain needs router_url; without a router, retract)."""
+
+    max_engines_updating: int = Field(default=1, ge=1)
+    """nccl, disk: engines updated at once, so generation never stops as a whole."""
+
+    engine_timeout_s: float = Field(default=300.0, gt=0)
+    """nccl, disk: limit of one engine's quiesce + load + resume, seconds (also the update group's timeout)."""
+
+    nccl_master_address: str = ""
+    """nccl: the address engines reach this trainer rank at for the update groups ("" = master_addr)."""
+
+    nccl_master_port: int = Field(default=29600, ge=0, le=65535)
+    """nccl: rendezvous port of the first engine's update group; each new group takes the next port. 0: each group
+    takes a port free on this host when it is created (local backend)."""
+
+    nccl_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """nccl: torch.distributed backend of the update groups; auto: nccl when CUDA is available, else gloo."""
+
+    nccl_bucket_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    """nccl: most tensor bytes broadcast per /update_weights_from_distributed call."""
+
+    dir: Path | None = None
+    """disk: root of the published versions (`<dir>/weights-v000003/`); default `<checkpoint_dir>/published`."""
 
     keep_last: int = Field(default=3, ge=1)
-    """Published versions kept on disk (an engine may still be loading an older one)."""
+    """disk: published versions kept on disk (an engine may still be loading an older one)."""
 
-    engine_timeout_s: float = Field(default=120.0, gt=0)
-    """Timeout of one engine's /update_weights_from_disk call."""
+    @property
+    def resolved_nccl_backend(self) -> str:
+        if self.nccl_backend != "auto":
+            return self.nccl_backend
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class TrainerSettings(ServiceSettings):
@@ -122,10 +166,6 @@ class TrainerSettings(ServiceSettings):
     """On SIGTERM, finish the current step and write a checkpoint before exiting (within the pod's grace
     period); otherwise uncommitted groups are handed back and retrained after the restart."""
 
-    test_crash_before_ack_at_step: int = Field(default=0, ge=0)
-    """Fault injection for tests only: exit abruptly (like kill -9) right after the checkpoint of this step is
-    durable and before its groups are acked; 0 (the default) disables."""
-
     events_kept: int = Field(default=1000, ge=1)
     """Events kept in memory for WatchEvents replay."""
 
@@ -136,6 +176,12 @@ class TrainerSettings(ServiceSettings):
                 raise ValueError("model_path is required when job_id is set")
             if self.checkpoint_dir is None:
                 raise ValueError("checkpoint_dir is required when job_id is set")
+            if self.publish.kind == "stream" and not self.publish.weightsync_address:
+                raise ValueError(
+                    "publish.kind 'stream' needs publish.weightsync_address (the job's weight-sync origin)"
+                )
+            if self.publish.kind == "nccl" and not (self.publish.router_url or self.publish.engine_urls):
+                raise ValueError("publish.kind 'nccl' needs publish.router_url or publish.engine_urls (the engines)")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
         return self
