@@ -96,4 +96,28 @@ while :; do
   sleep 10
 done
 "$KUBECTL" -n "$NAMESPACE" get pods -l "miles.dev/job=$JOB_ID" -o wide
-echo "e2e-kind: OK (job $JOB_ID took $step steps)"
+
+echo "== the engines follow the trainer's versions (trainer -> weight-sync origin -> engines)"
+ROUTER_PORT=$($PY -c "from miles.common.testing import free_port; print(free_port())")
+"$KUBECTL" -n "$NAMESPACE" port-forward svc/miles-rollout-router "$ROUTER_PORT:8082" >/dev/null 2>&1 &
+ROUTER_FORWARD_PID=$!
+for _ in $(seq 60); do curl -fsS "http://127.0.0.1:$ROUTER_PORT/healthz" >/dev/null 2>&1 && break; sleep 1; done
+deadline=$((SECONDS + TIMEOUT_S))
+while :; do
+  trainer_version=$(curl -fsS "$URL/v1/jobs/$JOB_ID" -H "Authorization: Bearer $TOKEN" \
+    | $PY -c "import json, sys; print(json.load(sys.stdin)['weight_version'])")
+  engines=$(curl -fsS "http://127.0.0.1:$ROUTER_PORT/admin/v1/engines?pool=$JOB_ID")
+  # Every engine of the job's pool serves a version the trainer published after its initial weights, at most 2
+  # behind the trainer's (rollouts run while the trainer keeps stepping).
+  if $PY -c '
+import json, sys
+trainer = int(sys.argv[1])
+versions = [int(e["weight_version"]) for e in json.loads(sys.argv[2])["engines"]]
+print(f"trainer version {trainer}, engines {versions}")
+sys.exit(0 if versions and all(1 <= v <= trainer and trainer - v <= 2 for v in versions) else 1)
+' "$trainer_version" "$engines"; then break; fi
+  ((SECONDS < deadline)) || die "the engines did not follow the trainer's versions in ${TIMEOUT_S}s"
+  sleep 5
+done
+kill "$ROUTER_FORWARD_PID" 2>/dev/null || true
+echo "e2e-kind: OK (job $JOB_ID took $step steps; the engines serve the trainer's new versions)"

@@ -172,7 +172,7 @@ def job_body(stack: Any, name: str, num_steps: int) -> dict[str, Any]:
         "model": {"path": str(stack.model_dir), "chat_template_kwargs": {"enable_thinking": False}},
         "rollout": rollout,
         "train": {"num_steps": num_steps, "batch_size_groups": 2, "max_staleness": 2, "pull_wait_s": 1},
-        "weight_sync": {"transport": "delta"},
+        "weight_sync": {"transport": "stream"},
         "resources": {"engines": {"replicas": 1, "extra_args": ["--fake-model"]}},
     }
 
@@ -256,7 +256,7 @@ def test_jobs_through_the_rest_api_survive_a_controller_crash(stack: Any, contro
     for job_id in (job_a, job_b):
         controller.wait_job(job_id, lambda job: job["state"] == "RUNNING" and job["pools"]["engines"]["live"] == 1)
     pids_a, pids_b = controller.job_pids(job_a), controller.job_pids(job_b)
-    assert set(pids_a) == {"engine-0", "weightsync", "bridge", "worker-0", "trainer"}
+    assert set(pids_a) == {"engine-0", "weightsync", "worker-0", "trainer"}
     # Separate engine pools and processes per job (the session server sends a job's sessions to its pool only).
     engines_a, engines_b = set(pool_engines(stack, job_a)), set(pool_engines(stack, job_b))
     assert len(engines_a) == 1 and len(engines_b) == 1 and not engines_a & engines_b
@@ -268,7 +268,7 @@ def test_jobs_through_the_rest_api_survive_a_controller_crash(stack: Any, contro
     for job_id in (job_a, job_b):  # each job's sessions are served by its own pool, i.e. its own engine
         wait_until(lambda job_id=job_id: pool_stats(stack, job_id)["requests_total"] > 0, f"{job_id} generates")
         assert pool_stats(stack, job_id)["num_engines"] == 1
-    # New weights reach A's engine (trainer -> bridge -> weight-sync -> engine; the router reads its version).
+    # New weights reach A's engine (trainer -> weight-sync origin -> engine; the router reads its version).
     wait_until(lambda: max(pool_engines(stack, job_a).values(), default=0) >= 1, "A's engine serves a new version")
     job = controller.job(job_a)
     assert job["state"] == "RUNNING" and job["step"] < num_steps_a, "job A ended before the controller was killed"

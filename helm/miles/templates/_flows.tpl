@@ -27,10 +27,14 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - {from: rollout-router, to: engine, port: http}
 # Weight loads (/update_weights_*, pause, version) by the daemon next to the engine.
 - {from: weight-sync, to: engine, port: http, perJob: true}
-# The nccl transport runs in the trainer and sets up its update groups over the engines' HTTP API.
+# The nccl transport runs in the trainer and sets up its update groups over the engines' HTTP API...
 - {from: trainer, to: engine, port: http, perJob: true}
-# PublishWeights: the trainer publishes every version to the job's origin.
+# ...and the engines join those groups on the trainer (rendezvous from weightUpdatePort, then NCCL's own ports).
+- {from: engine, to: trainer, port: any, perJob: true}
+# PublishWeights / OpenPublishChannel + CommitPublish: the trainer publishes every version to the job's origin...
 - {from: trainer, to: weight-sync-origin, port: grpc, perJob: true}
+# ...its tensors over the origin's raw TCP data channel (the same listener daemons fetch full weights from).
+- {from: trainer, to: weight-sync-origin, port: data, perJob: true}
 # FetchStoredVersion / FetchWeights: daemons copy versions from the origin.
 - {from: weight-sync, to: weight-sync-origin, port: grpc, perJob: true}
 # OpenDataChannel's raw TCP data channel: daemons pull a version's full tensors from the origin (stream transport).

@@ -40,7 +40,9 @@ DESIGNED_FLOWS = {
     ("rollout-router", "engine", "http"),
     ("weight-sync", "engine", "http*"),
     ("trainer", "engine", "http*"),
+    ("engine", "trainer", "any*"),
     ("trainer", "weight-sync-origin", "grpc*"),
+    ("trainer", "weight-sync-origin", "data*"),
     ("weight-sync", "weight-sync-origin", "grpc*"),
     ("weight-sync", "weight-sync-origin", "data*"),
     ("weight-sync-origin", "weight-sync", "grpc*"),
@@ -99,7 +101,8 @@ def test_origin_declares_its_data_channel_port_and_only_the_daemons_reach_it(
     render: Renderer, job_objects: Objects, mode: str
 ) -> None:
     """The origin serves the data channel on the fixed data port (env, containerPort, Service port), and the
-    NetworkPolicies open it from the job's weight-sync daemons (engine pods in sidecar mode) and no one else."""
+    NetworkPolicies open it from the job's weight-sync daemons (engine pods in sidecar mode; they fetch full
+    weights) and the job's trainer (it publishes) and no one else."""
     values = [f"jobTemplates.weightSync.mode={mode}", "networkPolicy.nodeCidrs[0]=10.0.0.0/16",
               "jobTemplates.weightSync.ports.data=50099"]  # fmt: skip
     objects = job_objects("default", values)
@@ -118,9 +121,9 @@ def test_origin_declares_its_data_channel_port_and_only_the_daemons_reach_it(
     daemon_pod = "engine" if mode == "sidecar" else "weight-sync"
     policies = by_kind(render([], values), "NetworkPolicy") + by_kind(objects, "NetworkPolicy")
     data_in = {(s, t) for s, t, port in ingress_flows(policies) if port == "data*"}
-    assert data_in == {(daemon_pod, "weight-sync-origin")}
+    assert data_in == {(daemon_pod, "weight-sync-origin"), ("trainer", "weight-sync-origin")}
     data_out = {(s, t) for s, t, port in egress_flows(policies) if port == "data"}
-    assert data_out == {(daemon_pod, "weight-sync-origin")}
+    assert data_out == {(daemon_pod, "weight-sync-origin"), ("trainer", "weight-sync-origin")}
 
 
 def egress_flows(policies: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -295,9 +298,20 @@ def test_every_miles_env_var_of_every_container_is_a_settings_field(all_objects:
                 settings_class = _settings_class(prefix)
                 assert settings_class.model_config["env_prefix"] == f"MILES_{prefix}_"
                 field = env["name"].removeprefix(f"MILES_{prefix}_").lower()
-                assert field == "config_file" or field in settings_class.model_fields, where
+                assert field == "config_file" or _is_field_path(settings_class, field.split("__")), where
                 checked.add((prefix, field))
     assert {prefix for prefix, _ in checked} >= set(SETTINGS_BY_PREFIX) - ({"ENGINE"} if value_set != "ci" else set())
+
+
+def _is_field_path(model: Any, path: list[str]) -> bool:
+    """Whether `path` (an env name split at "__", pydantic-settings' nested delimiter) names a field."""
+    info = model.model_fields.get(path[0])
+    if info is None:
+        return False
+    if len(path) == 1:
+        return True
+    nested = info.annotation
+    return hasattr(nested, "model_fields") and _is_field_path(nested, path[1:])
 
 
 def test_controller_may_create_exactly_the_kinds_of_the_per_job_objects(render: Renderer, job_objects: Objects) -> None:
@@ -321,3 +335,49 @@ def test_controller_may_create_exactly_the_kinds_of_the_per_job_objects(render: 
     assert writable == needed
     read_only = [rule for rule in role["rules"] if "create" not in rule["verbs"]]
     assert read_only == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
+def _policy_allows(policies: list[dict[str, Any]], source: str, target: str, port: str) -> bool:
+    """Whether a per-job ingress rule lets `source` pods of the job reach `target` pods on `port` ("any" too)."""
+    return any(s == source and t == target and p in (f"{port}*", "any*") for s, t, p in ingress_flows(policies))
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_trainer_publishes_to_the_origin_service_and_engines_reach_its_update_groups(
+    render: Renderer, job_objects: Objects, mode: str
+) -> None:
+    """stream: the trainer's publish address is the job's origin Service on its gRPC port, and the per-job
+    NetworkPolicy lets exactly the job's trainer (and daemons) in there. nccl: the router and pool the trainer finds
+    the engines in are the shared router and the job's pool, its weight-update port is declared, and the job's
+    engines may reach the trainer pods."""
+    values = [f"jobTemplates.weightSync.mode={mode}", "networkPolicy.nodeCidrs[0]=10.0.0.0/16",
+              "jobTemplates.weightSync.ports.grpc=50077", "jobTemplates.trainer.weightUpdatePort=29777"]  # fmt: skip
+    objects = job_objects("default", values)
+    (trainer,) = by_kind(objects, "StatefulSet")
+    (container,) = trainer["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (origin_service,) = [
+        o for o in by_kind(objects, "Service") if o["metadata"]["name"].endswith("-weight-sync-origin")
+    ]
+    grpc_port = next(p for p in origin_service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port["port"] == 50077
+    assert env["MILES_TRAINER_PUBLISH__WEIGHTSYNC_ADDRESS"] == f"{origin_service['metadata']['name']}:50077"
+    (origin,) = [o for o in by_kind(objects, "Deployment") if o["metadata"]["name"].endswith("-weight-sync-origin")]
+    origin_env = {e["name"]: e.get("value") for e in origin["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert origin_env["MILES_WEIGHTSYNC_PORT"] == "50077"
+    assert origin_service["spec"]["selector"].items() <= origin["spec"]["template"]["metadata"]["labels"].items()
+    policies = by_kind(render([], values), "NetworkPolicy") + by_kind(objects, "NetworkPolicy")
+    assert _policy_allows(policies, "trainer", "weight-sync-origin", "grpc")
+    assert _policy_allows(policies, "trainer", "weight-sync-origin", "data")
+    allowed_in = {s for s, t, p in ingress_flows(policies) if t == "weight-sync-origin" and p == "grpc*"}
+    assert allowed_in == {"trainer", "engine" if mode == "sidecar" else "weight-sync"}
+    assert ("trainer", "weight-sync-origin", "grpc") in egress_flows(policies)
+
+    router = [
+        o for o in render([], values) if o["kind"] == "Service" and o["metadata"]["name"].endswith("-rollout-router")
+    ]
+    assert env["MILES_TRAINER_PUBLISH__ROUTER_URL"].startswith(f"http://{router[0]['metadata']['name']}")
+    assert env["MILES_TRAINER_PUBLISH__POOL"] == "gsm8k-7"
+    assert env["MILES_TRAINER_PUBLISH__NCCL_MASTER_PORT"] == "29777"
+    assert {"name": "weight-update", "containerPort": 29777, "protocol": "TCP"} in container["ports"]
+    assert _policy_allows(policies, "engine", "trainer", "29777")

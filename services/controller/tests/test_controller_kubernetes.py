@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kubernetes import client as k8s
 
-from miles.common.errors import FailedPreconditionError
+from miles.common.errors import FailedPreconditionError, InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.jobspec.trainer import TrainConfig
@@ -345,6 +345,45 @@ async def test_a_job_asking_for_the_engine_kind_the_chart_does_not_run_is_refuse
         assert api.of_job("jk8s0000007") == []
         await backend.start("jk8s0000008", spec)  # the kind the chart runs is accepted
         assert api.of_job("jk8s0000008")
+
+
+async def test_the_trainer_pod_publishes_to_the_jobs_origin_with_the_spec_transport(
+    job_templates: dict[str, str], controller_kit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seam controller -> chart -> trainer: the settings a trainer pod loads (its env from the template plus
+    trainer.json of the spec ConfigMap) publish each version to the job's own weight-sync origin Service (stream),
+    or into the job's engine pool through the shared router (nccl); disk is refused before anything is created."""
+    from miles.common.settings import load_settings
+    from miles.trainer.settings import TrainerSettings
+
+    for job_id, transport in (("jk8s0000011", "stream"), ("jk8s0000012", "nccl")):
+        spec = _spec(controller_kit, weight_sync={"transport": transport, "pause_mode": "retract"})
+        async with fake_cluster(job_templates) as (api, _, backend):
+            await backend.start(job_id, spec)
+            created = api.of_job(job_id)
+        (owner,) = [o for o in created if o["kind"] == "ConfigMap"]
+        (trainer,) = [o for o in created if o["kind"] == "StatefulSet"]
+        (origin,) = [o for o in created if o["kind"] == "Service" and o["metadata"]["name"].endswith("-origin")]
+        config = tmp_path / f"{job_id}.json"
+        config.write_text(owner["data"]["trainer.json"])
+        for env in trainer["spec"]["template"]["spec"]["containers"][0]["env"]:
+            if env["name"].startswith("MILES_TRAINER_") and "value" in env:
+                monkeypatch.setenv(env["name"], env["value"])
+        monkeypatch.setenv("MILES_TRAINER_CONFIG_FILE", str(config))
+        monkeypatch.setenv("MILES_TRAINER_RANK", "0")
+        publish = load_settings(TrainerSettings).publish
+        assert (publish.kind, publish.dtype, publish.pause_mode) == (transport, "bfloat16", "retract")
+        origin_port = next(p["port"] for p in origin["spec"]["ports"] if p["name"] == "grpc")
+        assert publish.weightsync_address == f"{origin['metadata']['name']}:{origin_port}"
+        assert publish.pool == job_id and publish.router_url.startswith("http://")
+    disk = _spec(controller_kit, weight_sync={"transport": "disk"})
+    async with fake_cluster(job_templates) as (api, _, backend):
+        with pytest.raises(InvalidArgumentError, match="share") as refused:
+            await backend.check_spec(disk)
+        assert refused.value.field == "weight_sync.transport"
+        with pytest.raises(InvalidArgumentError):
+            await backend.start("jk8s0000013", disk)
+        assert api.of_job("jk8s0000013") == []
 
 
 async def test_an_object_the_api_refuses_is_a_non_retryable_error(

@@ -1,12 +1,12 @@
-"""The local backend with real processes: a job's engines (fake model), weight-sync, bridge, rollout worker and
+"""The local backend with real processes: a job's engines (fake model), weight-sync origin, rollout worker and
 trainer against real shared services (Redis, router, buffer, session server) started here.
 
 Covered: a job trains to its last step and the new weights reach the engines; the engines join the router pool
 named after the job; a second backend instance (a restarted controller) adopts the running processes instead of
 starting new ones; a killed engine comes back on its URL and re-joins the pool; resizing engines and workers
 while the job runs; stop leaves no process and an empty pool; a process that keeps crashing fails the job with
-its name and log tail; specs it cannot run (nccl transport, sglang engines) fail at once; a reused pid (another
-kernel start time) is neither adopted nor signalled; the bridge publishes every version in order.
+its name and log tail; specs it cannot run (sglang engines) fail at once; a reused pid (another kernel start time)
+is neither adopted nor signalled; each transport gives the trainer the publish settings the chart gives it.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from miles.common.errors import InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.common.testing import RedisServer, ServiceProcess, free_port, wait_for_http_ready
 from miles.common.testing.smoke import console_script
+from miles.controller.backends import local_layout
 from miles.controller.backends.base import JobProgress, SharedServices
 from miles.controller.backends.local import LocalJobBackend
-from miles.controller.backends.local_bridge import plan_publishes
 from miles.controller.backends.local_processes import ProcessRecord, ProcessTable, proc_start_time
 
 pytestmark = [pytest.mark.integration]
@@ -236,7 +236,7 @@ def test_local_job_trains_adopts_restarts_resizes_and_stops(
         engine_url = backend.endpoints(job_id)["engines"][0]
         assert set(shared.pool_engines(job_id)) == {engine_url}
         pids = backend.pids(job_id)
-        assert set(pids) == {"engine-0", "weightsync", "bridge", "worker-0", "trainer"}
+        assert set(pids) == {"engine-0", "weightsync", "worker-0", "trainer"}
         for name in pids:
             assert (tmp_path / "jobs" / job_id / f"{name}.pid").read_text().split()[0] == str(pids[name])
 
@@ -307,7 +307,6 @@ def test_process_that_keeps_crashing_fails_the_job_with_its_log(
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"weight_sync": {"transport": "nccl"}}, "weight transport 'nccl' is not supported by the local backend"),
         ({"resources": {"engines": {"kind": "sglang"}}}, "engines.kind 'sglang' needs the kubernetes backend"),
     ],
 )
@@ -327,7 +326,6 @@ def test_specs_the_local_backend_cannot_run_fail_without_starting_anything(
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"weight_sync": {"transport": "nccl"}}, "weight_sync.transport"),
         ({"resources": {"engines": {"kind": "sglang"}}}, "resources.engines.kind"),
     ],
 )
@@ -338,14 +336,25 @@ def test_the_local_backend_refuses_what_it_cannot_run_at_submission(
     with pytest.raises(InvalidArgumentError, match="local backend") as refused:
         asyncio.run(backend.check_spec(job_spec(Path("/m"), **overrides)))
     assert refused.value.field == field
-    asyncio.run(backend.check_spec(job_spec(Path("/m"))))  # cpu engines, a local transport: accepted
+    for transport in ("stream", "nccl", "disk"):  # cpu engines: every transport runs locally (nccl over gloo)
+        asyncio.run(backend.check_spec(job_spec(Path("/m"), weight_sync={"transport": transport})))
 
 
-def test_bridge_publishes_every_version_in_order_and_fills_gaps(tmp_path: Path) -> None:
-    available = {3: tmp_path / "v3", 5: tmp_path / "v5"}
-    assert plan_publishes(1, available) == [(2, available[3]), (3, available[3]), (4, available[5]), (5, available[5])]
-    assert plan_publishes(5, available) == []
-    assert plan_publishes(-1, {}) == []
+def test_each_transport_gives_the_trainer_what_the_chart_gives_it(tmp_path: Path) -> None:
+    services = SharedServices("redis://r", "http://127.0.0.1:8000", "", "", "127.0.0.1:50051", "", "", "")
+    sections = {
+        transport: local_layout.trainer_publish_section(
+            tmp_path, "job-x", job_spec(Path("/m"), weight_sync={"transport": transport}), services, "127.0.0.1:7"
+        )
+        for transport in ("stream", "nccl", "disk")
+    }
+    assert sections["stream"] == {"kind": "stream", "dtype": "bfloat16", "weightsync_address": "127.0.0.1:7"}
+    for transport in ("nccl", "disk"):
+        assert sections[transport]["router_url"] == "http://127.0.0.1:8000" and sections[transport]["pool"] == "job-x"
+    assert (sections["nccl"]["nccl_backend"], sections["nccl"]["nccl_master_port"]) == ("gloo", 0)
+    assert sections["disk"]["dir"] == str(tmp_path / "published")
+    assert local_layout.uses_weightsync(job_spec(Path("/m")))
+    assert not local_layout.uses_weightsync(job_spec(Path("/m"), weight_sync={"transport": "nccl"}))
 
 
 def test_a_reused_pid_is_neither_adopted_nor_signalled(tmp_path: Path) -> None:

@@ -68,6 +68,17 @@ spec:
               value: {{ printf "%s-0.%s" $name $name | quote }}
             - name: MILES_TRAINER_MASTER_PORT
               value: {{ $t.masterPort | quote }}
+            # Where each new weight version goes (publish.kind comes from the job spec in trainer.json): the
+            # job's weight-sync origin (stream), or the job's engine pool in the router (nccl), whose engines join
+            # update groups on rank 0 from weightUpdatePort on.
+            - name: MILES_TRAINER_PUBLISH__WEIGHTSYNC_ADDRESS
+              value: {{ include "miles.job.originAddress" . | quote }}
+            - name: MILES_TRAINER_PUBLISH__ROUTER_URL
+              value: {{ include "miles.job.sharedAddress" (dict "root" . "key" "rolloutRouter" "kind" "http") | quote }}
+            - name: MILES_TRAINER_PUBLISH__POOL
+              value: "${JOB_ID}"
+            - name: MILES_TRAINER_PUBLISH__NCCL_MASTER_PORT
+              value: {{ $t.weightUpdatePort | quote }}
             {{- with $t.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -75,6 +86,7 @@ spec:
             - {name: grpc, containerPort: {{ $t.ports.grpc }}, protocol: TCP}
             - {name: metrics, containerPort: {{ $t.ports.metrics }}, protocol: TCP}
             - {name: dist, containerPort: {{ $t.masterPort }}, protocol: TCP}
+            - {name: weight-update, containerPort: {{ $t.weightUpdatePort }}, protocol: TCP}
           securityContext:
             {{- include "miles.containerSecurityContext" . | nindent 12 }}
           startupProbe:

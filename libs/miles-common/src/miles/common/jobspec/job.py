@@ -115,11 +115,28 @@ class ResourcesSpec(_Section):
 
 
 class WeightSyncSpec(_Section):
-    """How new weights travel from the trainer to the job's engines."""
+    """How new weights travel from the trainer to the job's engines (the same on every backend)."""
 
-    transport: Literal["disk", "delta", "stream", "nccl"] = "disk"
-    """`disk`: full checkpoint files; `delta`: lossless bf16 deltas; `stream`: gRPC streaming; `nccl`: GPU
-    collectives (Kubernetes with GPUs)."""
+    transport: Literal["stream", "nccl", "disk"] = "stream"
+    """`stream`: each version goes from the trainer's memory to the job's weight-sync origin, which stores it as a
+    lossless delta and rolls it out to the engines (the daemon next to each engine loads only the tensors that
+    changed, prepared while the engine keeps serving). `nccl`: the trainer broadcasts each version into the
+    engines (SGLang's /init_weights_update_group + /update_weights_from_distributed; NCCL on GPUs, gloo on the
+    CPU). `disk`: an HF directory per version on a volume the trainer and the engines share, loaded with
+    /update_weights_from_disk (debugging; local backend only). `delta` is accepted as a name of `stream`."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the published weights (what the engines serve); the trainer keeps float32 master weights."""
+
+    pause_mode: Literal["drain", "abort", "retract", "in_place"] = "drain"
+    """How an engine is quiesced for the swap to a new version: `drain` (the router sends it nothing new and its
+    requests finish first), or /pause_generation `abort`, `retract` (requests resume on the new weights,
+    recomputed) or `in_place` (they resume on the new weights with their old KV)."""
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _delta_is_stream(cls, value: Any) -> Any:
+        return "stream" if value == "delta" else value
 
 
 class JobSpec(_Section):

@@ -72,14 +72,18 @@ def spec_files(spec: JobSpec) -> dict[str, dict[str, Any]]:
     """The four files of the job's spec ConfigMap (`job_templates.SPEC_FILES`): what each process reads of the spec.
 
     Only fields the templates do not set by environment (see the job_templates docstring)."""
-    weightsync: dict[str, Any] = {}
-    if spec.weight_sync.transport in ("disk", "delta", "stream"):
-        weightsync["transport"] = spec.weight_sync.transport
+    sync = spec.weight_sync
+    # The chart sets the addresses by env (origin, router, pool, update-group port); the spec decides the rest.
+    publish = {"kind": sync.transport, "dtype": sync.dtype, "pause_mode": sync.pause_mode}
     return {
         "spec.json": spec.model_dump(mode="json"),
-        "trainer.json": {"train": spec.train.model_dump(mode="json"), "backend": spec.resources.trainer.backend},
+        "trainer.json": {
+            "train": spec.train.model_dump(mode="json"),
+            "backend": spec.resources.trainer.backend,
+            "publish": publish,
+        },
         "rollout.json": {"rollout": spec.rollout.model_dump(mode="json")},
-        "weightsync.json": weightsync,
+        "weightsync.json": {"pause_mode": sync.pause_mode},
     }
 
 
@@ -198,6 +202,7 @@ class KubernetesJobBackend:
         return self._job_templates[job_id]
 
     async def check_spec(self, spec: JobSpec) -> None:
+        self._check_transport(spec)
         try:
             templates = await self.templates()
         except MilesError:  # the API or the chart's ConfigMap is not there now: start says so, with retries
@@ -206,7 +211,17 @@ class KubernetesJobBackend:
         if problem:
             raise InvalidArgumentError(problem, field="resources.engines.kind")
 
+    @staticmethod
+    def _check_transport(spec: JobSpec) -> None:
+        if spec.weight_sync.transport == "disk":
+            raise InvalidArgumentError(
+                "weight_sync.transport 'disk' needs a volume that the trainer and the engines share, which the chart "
+                "does not mount; use 'stream' (the default) or 'nccl' on Kubernetes",
+                field="weight_sync.transport",
+            )
+
     async def start(self, job_id: str, spec: JobSpec) -> None:
+        self._check_transport(spec)
         templates = self._job_templates[job_id] = await self.templates()
         problem = _engine_kind_problem(templates, spec)  # the chart may have changed since submission
         if problem:

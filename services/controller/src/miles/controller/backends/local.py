@@ -1,8 +1,8 @@
 """The local backend: runs each job's per-job processes on this machine and keeps them running.
 
 Per job (`<state_dir>/jobs/<job_id>/`: state.json, config files, logs, pid files): N `miles-engine` processes,
-their weight-sync origin and the bridge that feeds it the trainer's versions, M `miles-rollout-worker`s and the
-`miles-trainer` (see `local_layout`). Engines join the router pool named after the job id once ready.
+their weight-sync origin (the trainer publishes each version to it; stream transport), M `miles-rollout-worker`s
+and the `miles-trainer` (see `local_layout`). Engines join the router pool named after the job id once ready.
 
 Supervision: a monitor task per job (and every `observe`) checks each process; one that exited is started again
 after an exponential backoff (`restart_backoff_initial_s` doubling up to `restart_backoff_max_s`); after
@@ -13,7 +13,7 @@ Processes run in their own sessions, so they outlive the controller; a new contr
 processes recorded in state.json whose pid still runs with the recorded kernel start time, and starts the others.
 
 Limits: one machine, loopback addresses; changing the engine set restarts the weight-sync origin (a rollout in
-flight is cut short; the bridge's catch-up reloads any engine left behind); a removed rollout worker's prompt
+flight is cut short; the origin's reconcile loop reloads any engine left behind); a removed rollout worker's prompt
 leases expire after the worker's `lease_s` before another worker regenerates them.
 """
 
@@ -239,15 +239,19 @@ class LocalJobBackend:
             raise ValueError(problem[1])
         job.job_dir.mkdir(parents=True, exist_ok=True)
         engines = [layout.engine_record(job.job_dir, spec, i) for i in range(spec.resources.engines.replicas)]
-        weightsync = layout.weightsync_record(
-            job.job_dir, job.job_id, spec, self.shared, [engine.url for engine in engines]
-        )
-        records = [*engines, weightsync, layout.bridge_record(job.job_dir, job.job_id, weightsync.url)]
+        records = list(engines)
+        origin = ""
+        if layout.uses_weightsync(spec):
+            weightsync = layout.weightsync_record(
+                job.job_dir, job.job_id, spec, self.shared, [engine.url for engine in engines]
+            )
+            records.append(weightsync)
+            origin = weightsync.url
         records += [
             layout.worker_record(job.job_dir, job.job_id, spec, self.shared, i)
             for i in range(spec.resources.rollout_workers.replicas)
         ]
-        records.append(layout.trainer_record(job.job_dir, job.job_id, spec, self.shared))
+        records.append(layout.trainer_record(job.job_dir, job.job_id, spec, self.shared, origin))
         job.processes = {record.name: record for record in records}
 
     def _ensure_monitor(self, job_id: str) -> None:
@@ -361,8 +365,11 @@ class LocalJobBackend:
         await self._restart_weightsync(job, spec)
 
     async def _restart_weightsync(self, job: LocalJob, spec: JobSpec) -> None:
-        """The origin learns the new engine set (its engine list is fixed at start-up): new config, restart."""
-        weightsync = job.processes["weightsync"]
+        """The origin learns the new engine set (its engine list is fixed at start-up): new config, restart. (nccl
+        and disk jobs have no origin: the trainer finds engines in the router pool at each publish.)"""
+        weightsync = job.processes.get("weightsync")
+        if weightsync is None:
+            return
         engine_urls = [record.url for record in job.by_role("engine")]
         layout.write_weightsync_config(job.job_dir, job.job_id, spec, self.shared, weightsync, engine_urls)
         await asyncio.to_thread(self.table.stop_all, [weightsync], self.stop_grace_s)

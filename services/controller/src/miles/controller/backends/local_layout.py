@@ -4,13 +4,15 @@ One job on this machine is:
 
 - `engine-<i>`: `miles-engine --model-path <spec.model.path> --port <free> --weight-version 0 <extra_args>`
   (`--fake-model` only when the spec's `resources.engines.extra_args` carry it);
-- `weightsync`: one `miles-weight-sync` daemon, the job's origin, loading every engine of the job itself (the
-  weight-sync README's one-process setup: no peers), draining engines through the router's admin API in the
-  job's pool, with the spec's transport (disk, delta or stream; its store and scratch space in the job dir);
-- `bridge`: `python -m miles.controller.backends.local_bridge`, which hands each version the trainer writes to
-  its publish directory to the weight-sync origin (the trainer's own publisher only writes directories);
+- `weightsync` (transport `stream` only): one `miles-weight-sync` daemon, the job's origin, which the trainer
+  publishes to and which loads every engine of the job itself (the weight-sync README's one-process setup: no
+  peers), draining engines through the router's admin API in the job's pool (lossless deltas to the engines; its
+  store and scratch space in the job dir);
 - `worker-<i>`: `miles-rollout-worker` with `{"rollout": ...}` in `MILES_ROLLOUT_CONFIG_FILE`;
-- `trainer`: `miles-trainer` (torchrun when `resources.trainer.replicas` > 1) with `MILES_TRAINER_CONFIG_FILE`.
+- `trainer`: `miles-trainer` (torchrun when `resources.trainer.replicas` > 1) with `MILES_TRAINER_CONFIG_FILE`,
+  whose `publish` section is what the chart gives the trainer on Kubernetes (`trainer_publish_section`): the
+  origin's address (stream), or the router pool of the job's engines that it drives itself (nccl over gloo on
+  the CPU, disk into `<job dir>/published`).
 
 Config files, logs and pid files live in the job directory. Nothing here starts a process.
 """
@@ -26,9 +28,6 @@ from typing import Any
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import SharedServices
 from miles.controller.backends.local_processes import ProcessRecord, free_port
-
-LOCAL_TRANSPORTS = ("disk", "delta", "stream")
-"""Weight transports the local backend can drive (nccl needs GPUs and runs inside the trainer)."""
 
 
 def console_script(name: str) -> str:
@@ -51,12 +50,12 @@ def unsupported(spec: JobSpec) -> tuple[str, str] | None:
         return "resources.engines.kind", (
             f"engines.kind {kind!r} needs the kubernetes backend (the local backend runs miles-engine: kind 'cpu')"
         )
-    if spec.weight_sync.transport not in LOCAL_TRANSPORTS:
-        return "weight_sync.transport", (
-            f"weight transport {spec.weight_sync.transport!r} is not supported by the local backend "
-            f"(use one of {', '.join(LOCAL_TRANSPORTS)})"
-        )
     return None
+
+
+def uses_weightsync(spec: JobSpec) -> bool:
+    """Whether the job has a weight-sync origin (stream); nccl and disk go from the trainer to the engines."""
+    return spec.weight_sync.transport == "stream"
 
 
 def engine_record(job_dir: Path, spec: JobSpec, index: int) -> ProcessRecord:
@@ -113,8 +112,7 @@ def write_weightsync_config(
         "engine_urls": engine_urls,
         "router_url": shared.router_url,
         "pool": job_id,
-        "transport": spec.weight_sync.transport,
-        "pause_mode": "drain" if shared.router_url else "in_place",
+        "pause_mode": spec.weight_sync.pause_mode if shared.router_url else "retract",
         "store_dir": str(job_dir / "weights" / "store"),
         "work_dir": str(job_dir / "weights" / "work"),
         "model_config_dir": spec.model.path,
@@ -122,21 +120,6 @@ def write_weightsync_config(
     }
     path = _write_json(job_dir / "weightsync.json", config)
     record.env = {"MILES_WEIGHTSYNC_CONFIG_FILE": path}
-
-
-def bridge_record(job_dir: Path, job_id: str, weightsync_address: str) -> ProcessRecord:
-    argv = [
-        sys.executable,
-        "-m",
-        "miles.controller.backends.local_bridge",
-        "--job-id",
-        job_id,
-        "--publish-dir",
-        str(publish_dir(job_dir)),
-        "--weightsync-address",
-        weightsync_address,
-    ]
-    return ProcessRecord(name="bridge", role="bridge", argv=argv, env={}, log_path=str(job_dir / "bridge.log"))
 
 
 def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, index: int) -> ProcessRecord:
@@ -173,7 +156,25 @@ def publish_dir(job_dir: Path) -> Path:
     return job_dir / "published"
 
 
-def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices) -> ProcessRecord:
+def trainer_publish_section(
+    job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, origin: str
+) -> dict[str, Any]:
+    """The trainer's `publish` settings for the spec's transport (what the chart sets on Kubernetes)."""
+    transport = spec.weight_sync.transport
+    section: dict[str, Any] = {"kind": transport, "dtype": spec.weight_sync.dtype}
+    if transport == "stream":
+        section["weightsync_address"] = origin
+        return section
+    section.update(router_url=shared.router_url, pool=job_id, pause_mode=spec.weight_sync.pause_mode)
+    if transport == "nccl":
+        section.update(nccl_master_address="127.0.0.1", nccl_master_port=0, nccl_backend="gloo")
+    else:
+        section["dir"] = str(publish_dir(job_dir))
+    return section
+
+
+def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, origin: str) -> ProcessRecord:
+    """The trainer; `origin` is the job's weight-sync origin (host:port) for the stream transport."""
     port, metrics_port = free_port(), free_port()
     config = {
         "job_id": job_id,
@@ -184,9 +185,7 @@ def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServ
         "checkpoint_dir": str(job_dir / "checkpoints"),
         "backend": spec.resources.trainer.backend,
         "train": spec.train.model_dump(mode="json"),
-        # The trainer writes each version to a directory; the bridge hands it to weight-sync, which loads the
-        # engines. Enough versions are kept for the bridge to publish every one of them in order.
-        "publish": {"kind": "disk", "dir": str(publish_dir(job_dir)), "engine_urls": [], "keep_last": 8},
+        "publish": trainer_publish_section(job_dir, job_id, spec, shared, origin),
         "log_json": False,
     }
     path = _write_json(job_dir / "trainer.json", config)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROCESS_ROLES = ("engine", "weightsync", "bridge", "worker", "trainer")
+PROCESS_ROLES = ("engine", "weightsync", "worker", "trainer")
 """Kinds of per-job process, in start order."""
 
 
@@ -53,7 +53,7 @@ class ProcessRecord:
     """One per-job process: how to start it and, once started, which kernel process it is."""
 
     name: str
-    """Unique within the job: `engine-0`, `weightsync`, `bridge`, `worker-1`, `trainer`."""
+    """Unique within the job: `engine-0`, `weightsync`, `worker-1`, `trainer`."""
     role: str
     """One of PROCESS_ROLES."""
     argv: list[str]
