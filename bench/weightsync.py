@@ -1,15 +1,21 @@
-"""make bench-weightsync: how small are lossless deltas, and how fast is the stream transport?
+"""make bench-weightsync: how small are lossless deltas, how little does an update stop an engine, and how fast
+is the stream transport?
 
-(a) Delta ratio = stored delta bytes / full bytes, in the engine dtype (bfloat16), with weight-sync's own encoder
-    (`miles.weightsync.weights.encode_version`: per tensor the smallest of sparse-XOR, plane-split XOR and full,
-    zstd level 1 — exactly what the daemon stores):
+(a) Delta ratio = stored delta bytes / full bytes, in the engine dtype, with weight-sync's own encoder
+    (`miles.weightsync.weights.encode_version` / `delta.encode_delta`: per tensor the smallest of bucketed
+    order-preserving differences, sparse-XOR, plane-split XOR and full, zstd level 1 — exactly what the daemon
+    stores):
     - the tiny Qwen3 model (~10M parameters) taking real AdamW steps (float32 master weights, next-token loss on
       random token sequences) at lr 1e-6 and 1e-5; the median over the measured steps is reported;
     - a synthetic 1B-parameter bf16 set (a Llama-like layout: vocab 128,256 x hidden 2,048, 16 layers, MLP 5,632;
       N(0, 0.02) weights, norms 1) updated by AdamW-like steps (torch AdamW arithmetic, betas 0.9/0.999,
-      weight decay 0.01, random N(0, 1e-3) gradients, 3 steps, the last one measured). To keep memory and time
-      sane on a 2-core 24 GB box it is processed tensor by tensor, and tensors above 16M elements in row blocks of
-      at most 16M elements, each block generated, stepped, encoded and dropped before the next (peak ~0.4 GB).
+      weight decay 0.01, random N(0, 1e-3) gradients, 3 steps, the last one measured) at lr 1e-6 (the goal) and
+      1e-5. To keep memory and time sane on a 2-core 24 GB box it is processed tensor by tensor, and tensors
+      above 16M elements in row blocks of at most 16M elements, each block generated, stepped, encoded, decoded,
+      compared and dropped before the next (peak ~0.4 GB). Encode and decode throughput are MB/s of raw tensor
+      bytes (encode_delta / decode time only, one core);
+    - distributions the encoder was not tuned on, on the first 2 layers of the same layout (90M parameters, no
+      embedding): bf16 N(0, 0.05) weights, and float16 / float32 N(0, 0.02) weights, at lr 1e-6.
 (b) Stream throughput over loopback: a real miles-weight-sync daemon (its own process) holds a published version;
     this process fetches it the way the stream transport does — OpenDataChannel over gRPC, then `--streams` raw
     TCP connections that the daemon fills with `sendall` from the stored bytes and this side `recv_into`s into
@@ -25,11 +31,18 @@
     buffer (`grpc_stream_vs_raw_tcp`), and a bare grpc.aio server in its own process (cached messages, no
     interceptors) to a client that discards them: the floor of Python gRPC itself (`grpc_floor_vs_raw_tcp`).
 
-Prints `delta_ratio lr=1e-6 <x>` and `stream_vs_raw_tcp <y>` (goals: <= 0.012 and >= 0.8) and writes
-bench/results/weightsync.json.
+(c) Engine pause within a whole update (bench/_weightsync_update.py): a trainer in this process publishing real
+    AdamW steps of the tiny model to an origin that loads one busy engine (real processes, router, defaults);
+    `pause_vs_update` = median engine pause / median time from the optimizer step to the engine serving the
+    version, and `naive_pause_vs_update` what the pause would be if the version were prepared inside it.
 
-Run: make bench-weightsync   (or: .venv/bin/python bench/weightsync.py [--skip-1b] [--stream-only] [--stream-mb N]
-[--rounds R] [--streams S]; --stream-only runs (b) alone and replaces only the "stream" part of the results file)
+Prints `delta_ratio lr=1e-6 <x>` (tiny model), `delta_ratio synthetic_1b lr=1e-6 <y>` (goal: <= 0.012), the other
+delta workloads with their encode / decode MB/s, `pause_vs_update <p>` (goal: <= 0.15) and `stream_vs_raw_tcp <z>`
+(goal: >= 0.8); writes bench/results/weightsync.json.
+
+Run: make bench-weightsync   (or: .venv/bin/python bench/weightsync.py [--skip-1b]
+[--stream-only | --delta-only | --update-only] [--stream-mb N] [--rounds R] [--streams S] [--update-versions V];
+an --*-only run measures that part alone and keeps the others from the results file)
 """
 
 from __future__ import annotations
@@ -49,10 +62,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _weightsync_update import pause_vs_update
 
 from miles.common.testing import ServiceProcess, free_port, wait_for_http_ready
 from miles.common.testing.smoke import console_script
-from miles.weightsync.delta import encode_delta
+from miles.weightsync.delta import decode, encode_delta
 from miles.weightsync.manifest import TensorSpec
 from miles.weightsync.memory import tune_malloc_for_streaming
 from miles.weightsync.weights import WeightSet, encode_version, sha256_hex
@@ -112,10 +126,12 @@ def tiny_model_deltas(model_dir: Path, lr: float, num_steps: int) -> dict[str, A
     }
 
 
-def _synthetic_layout() -> list[tuple[str, tuple[int, int]]]:
+def _synthetic_layout(num_layers: int = 16, with_embedding: bool = True) -> list[tuple[str, tuple[int, int]]]:
     hidden, kv, mlp, vocab = 2048, 512, 5632, 128256
-    layout: list[tuple[str, tuple[int, int]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for layer in range(16):
+    layout: list[tuple[str, tuple[int, int]]] = (
+        [("model.embed_tokens.weight", (vocab, hidden))] if with_embedding else []
+    )
+    for layer in range(num_layers):
         prefix = f"model.layers.{layer}"
         layout += [
             (f"{prefix}.self_attn.q_proj.weight", (hidden, hidden)),
@@ -131,16 +147,18 @@ def _synthetic_layout() -> list[tuple[str, tuple[int, int]]]:
     return [*layout, ("model.norm.weight", (1, hidden))]
 
 
-def _adamw_block(rows: int, cols: int, is_norm: bool, lr: float, seed: int, num_steps: int) -> tuple[bytes, bytes]:
-    """bf16 bytes of one block before and after the last of num_steps AdamW steps (torch's AdamW arithmetic)."""
+def _adamw_block(
+    rows: int, cols: int, is_norm: bool, lr: float, seed: int, num_steps: int, std: float, dtype: torch.dtype
+) -> tuple[bytes, bytes]:
+    """Bytes (in `dtype`) of one block before and after the last of num_steps AdamW steps (torch's arithmetic)."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.ones(rows, cols) if is_norm else torch.randn(rows, cols, generator=generator).mul_(0.02)
+    weight = torch.ones(rows, cols) if is_norm else torch.randn(rows, cols, generator=generator).mul_(std)
     exp_avg, exp_avg_sq = torch.zeros_like(weight), torch.zeros_like(weight)
     beta1, beta2, eps, weight_decay = 0.9, 0.999, 1e-8, 0.01
     before = b""
     for step in range(1, num_steps + 1):
         if step == num_steps:
-            before = weight.to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes()
+            before = weight.to(dtype).reshape(-1).view(torch.uint8).numpy().tobytes()
         grad = torch.randn(rows, cols, generator=generator).mul_(1e-3)
         weight.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
@@ -148,33 +166,80 @@ def _adamw_block(rows: int, cols: int, is_norm: bool, lr: float, seed: int, num_
         denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps)
         weight.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
         del grad, denom
-    after = weight.to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes()
+    after = weight.to(dtype).reshape(-1).view(torch.uint8).numpy().tobytes()
     return before, after
 
 
-def synthetic_1b_delta(lr: float, num_steps: int = 3) -> dict[str, Any]:
+def synthetic_delta(
+    lr: float, *, std: float = 0.02, dtype: torch.dtype = torch.bfloat16, num_layers: int = 16, embedding: bool = True
+) -> dict[str, Any]:
+    """The synthetic set's last AdamW-like step, block by block: stored / full bytes, which encodings won, and
+    encode / decode throughput (every block is decoded and compared with what was encoded)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     full_bytes = stored_bytes = num_elements = num_changed = 0
+    encode_s = decode_s = 0.0
+    encodings: dict[str, int] = {}
     start_s = time.perf_counter()
-    for index, (name, (rows, cols)) in enumerate(_synthetic_layout()):
+    for index, (name, (rows, cols)) in enumerate(_synthetic_layout(num_layers, embedding)):
         block_rows = max(1, BLOCK_ELEMENTS // cols)
         for block, row in enumerate(range(0, rows, block_rows)):
             height = min(block_rows, rows - row)
-            before, after = _adamw_block(height, cols, "norm" in name, lr, index * 1000 + block, num_steps)
-            encoded = encode_delta(before, after, 2, level=1)
+            seed = index * 1000 + block
+            before, after = _adamw_block(height, cols, "norm" in name, lr, seed, 3, std, dtype)
+            tick_s = time.perf_counter()
+            encoded = encode_delta(before, after, itemsize, level=1)
+            encoded_s = time.perf_counter()
+            restored = decode(encoded.encoding, encoded.blob, num_bytes=len(after), itemsize=itemsize, base=before)
+            decode_s += time.perf_counter() - encoded_s
+            encode_s += encoded_s - tick_s
+            if restored != after:
+                raise RuntimeError(f"{name} block {block} did not decode to what was encoded")
             full_bytes += len(after)
             stored_bytes += len(encoded.blob)
             num_elements += height * cols
             num_changed += encoded.num_changed
+            encodings[encoded.encoding] = encodings.get(encoded.encoding, 0) + 1
     return {
         "lr": lr,
+        "weights": f"N(0, {std}) {str(dtype).removeprefix('torch.')}, norms 1",
+        "layers": num_layers,
+        "embedding": embedding,
         "num_parameters": num_elements,
         "full_bytes": full_bytes,
         "stored_bytes": stored_bytes,
         "delta_ratio": stored_bytes / full_bytes,
         "changed_elements": num_changed / num_elements,
-        "adamw_steps": num_steps,
+        "adamw_steps": 3,
+        "encodings_chosen": encodings,
+        "encode_mb_per_s": full_bytes / encode_s / 1e6,
+        "decode_mb_per_s": full_bytes / decode_s / 1e6,
         "seconds": time.perf_counter() - start_s,
     }
+
+
+def delta_ratios(model_dir: Path, tiny_steps: int, skip_synthetic: bool) -> dict[str, Any]:
+    """Part (a): every delta workload, printed as it finishes."""
+    tiny = {lr: tiny_model_deltas(model_dir, lr, tiny_steps) for lr in (1e-6, 1e-5)}
+    for lr, result in tiny.items():
+        print(f"delta_ratio lr={lr:.0e} {result['delta_ratio_median']:.5f}".replace("e-0", "e-"))
+    synthetic: dict[str, Any] = {}
+    if not skip_synthetic:
+        synthetic["synthetic_1b"] = synthetic_delta(1e-6)
+        synthetic["synthetic_1b_lr_1e-5"] = synthetic_delta(1e-5)
+        synthetic["synthetic_other"] = [
+            synthetic_delta(1e-6, std=0.05, num_layers=2, embedding=False),
+            synthetic_delta(1e-6, dtype=torch.float16, num_layers=2, embedding=False),
+            synthetic_delta(1e-6, dtype=torch.float32, num_layers=2, embedding=False),
+        ]
+    for key, runs in synthetic.items():
+        for run in runs if isinstance(runs, list) else [runs]:
+            label = f"{key.removesuffix('_lr_1e-5')} lr={run['lr']:.0e}".replace("e-0", "e-")
+            weights = f" [{run['weights']}]" if key == "synthetic_other" else ""
+            print(
+                f"delta_ratio {label}{weights} {run['delta_ratio']:.5f} "
+                f"(encode {run['encode_mb_per_s']:.0f} MB/s, decode {run['decode_mb_per_s']:.0f} MB/s)"
+            )
+    return {"tiny_model": [tiny[lr] for lr in sorted(tiny)], **synthetic}
 
 
 # --- (b) stream vs raw TCP ---------------------------------------------------------------------------------------
@@ -421,46 +486,56 @@ async def _verified_fetch(address: str, streams: int) -> float:
     return elapsed
 
 
+_DELTA_KEYS = ("tiny_model", "synthetic_1b", "synthetic_1b_lr_1e-5", "synthetic_other")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny-steps", type=int, default=5)
-    parser.add_argument("--skip-1b", action="store_true", help="skip the synthetic 1B-parameter set")
+    parser.add_argument("--skip-1b", action="store_true", help="skip the synthetic sets")
     parser.add_argument("--stream-only", action="store_true", help="only (b); keep the rest of the results file")
+    parser.add_argument("--delta-only", action="store_true", help="only (a); keep the file's stream results")
+    parser.add_argument("--update-only", action="store_true", help="only (c); keep the rest of the results file")
+    parser.add_argument("--update-versions", type=int, default=6)
     parser.add_argument("--stream-mb", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", type=int, default=4)
     args = parser.parse_args()
+    if sum((args.stream_only, args.delta_only, args.update_only)) > 1:
+        parser.error("--stream-only, --delta-only and --update-only exclude each other")
+    only = "stream" if args.stream_only else "delta" if args.delta_only else "update" if args.update_only else ""
     torch.manual_seed(0)
-    previous = json.loads(RESULTS.read_text()) if args.stream_only and RESULTS.is_file() else {}
+    previous = json.loads(RESULTS.read_text()) if only and RESULTS.is_file() else {}
     with tempfile.TemporaryDirectory(prefix="bench-weightsync-") as tmp:
         scratch = Path(tmp)
-        tiny: dict[float, dict[str, Any]] = {}
-        synthetic = previous.get("synthetic_1b")
-        if not args.stream_only:
-            model_dir = _model_dir(scratch)
-            tiny = {lr: tiny_model_deltas(model_dir, lr, args.tiny_steps) for lr in (1e-6, 1e-5)}
-            for lr, result in tiny.items():
-                print(f"delta_ratio lr={lr:.0e} {result['delta_ratio_median']:.5f}".replace("e-0", "e-"))
-            synthetic = None if args.skip_1b else synthetic_1b_delta(1e-6)
-            if synthetic is not None:
-                print(f"delta_ratio synthetic_1b lr=1e-6 {synthetic['delta_ratio']:.5f}")
-        stream = stream_vs_raw(args.stream_mb, args.rounds, args.streams, scratch)
-        print(f"stream_vs_raw_tcp {stream['stream_vs_raw_tcp']:.3f}")
-        print(f"stream_vs_raw_tcp_paired_median {stream['stream_vs_raw_tcp_paired_median']:.3f}")
-        print(f"stream_one_connection_vs_raw_tcp {stream['stream_one_connection_vs_raw_tcp']:.3f}")
-        print(f"stream_verified_vs_raw_tcp {stream['stream_verified_vs_raw_tcp']:.3f}")
-        print(f"grpc_stream_vs_raw_tcp {stream['grpc_stream_vs_raw_tcp']:.3f}")
-        print(f"grpc_floor_vs_raw_tcp {stream['grpc_floor_vs_raw_tcp']:.3f}")
+        deltas = {key: previous.get(key) for key in _DELTA_KEYS}
+        if only in ("", "delta"):
+            deltas = dict.fromkeys(_DELTA_KEYS) | delta_ratios(_model_dir(scratch), args.tiny_steps, args.skip_1b)
+        update = previous.get("update")
+        if only in ("", "update"):
+            update = pause_vs_update(_model_dir(scratch), scratch, num_versions=args.update_versions)
+            print(f"pause_vs_update {update['pause_vs_update']:.3f}")
+            print(f"naive_pause_vs_update {update['naive_pause_vs_update']:.3f}")
+        stream = previous.get("stream")
+        if only in ("", "stream"):
+            stream = stream_vs_raw(args.stream_mb, args.rounds, args.streams, scratch)
+            print(f"stream_vs_raw_tcp {stream['stream_vs_raw_tcp']:.3f}")
+            print(f"stream_vs_raw_tcp_paired_median {stream['stream_vs_raw_tcp_paired_median']:.3f}")
+            print(f"stream_one_connection_vs_raw_tcp {stream['stream_one_connection_vs_raw_tcp']:.3f}")
+            print(f"stream_verified_vs_raw_tcp {stream['stream_verified_vs_raw_tcp']:.3f}")
+            print(f"grpc_stream_vs_raw_tcp {stream['grpc_stream_vs_raw_tcp']:.3f}")
+            print(f"grpc_floor_vs_raw_tcp {stream['grpc_floor_vs_raw_tcp']:.3f}")
     result = {
-        "benchmark": "weight-sync: lossless bf16 delta size, stream transport vs raw TCP over loopback",
-        "tiny_model": [tiny[lr] for lr in sorted(tiny)] if tiny else previous.get("tiny_model"),
-        "synthetic_1b": synthetic,
+        "benchmark": "weight-sync: lossless delta size (bf16 and others), engine pause within a whole update, "
+        "stream transport vs raw TCP over loopback",
+        **deltas,
+        "update": update,
         "stream": stream,
-        "goals": {"delta_ratio_lr_1e-6_max": 0.012, "stream_vs_raw_tcp_min": 0.8},
+        "goals": {"delta_ratio_lr_1e-6_max": 0.012, "pause_vs_update_max": 0.15, "stream_vs_raw_tcp_min": 0.8},
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
     }
-    if args.stream_only:
-        result["delta_measured_in_an_earlier_run"] = True
+    if only:
+        result["only_this_part_measured_in_this_run"] = only
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
