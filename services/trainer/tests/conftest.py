@@ -4,6 +4,7 @@ real `miles-buffer` and `miles-trainer` subprocesses, and a gRPC client for the 
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,11 +13,14 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.smoke import console_script
+from miles.model import load_model, sequence_logprobs
 from miles.proto.common.v1 import common_pb2
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from miles.trainer.batch import TrainSample
 
 COMPLETED = common_pb2.SAMPLE_STATUS_COMPLETED
 SMALL_VOCAB = 512
@@ -71,6 +75,42 @@ def build_group(
         )
         sample.weight_versions.add(start=0, end=num_response_tokens, weight_version=version)
     return group
+
+
+def build_step_groups(
+    model_dir: Path, *, deterministic: bool, num_groups: int = 2, per_group: int = 3
+) -> list[list[TrainSample]]:
+    """Groups of random sequences (for in-process steps) whose rollout logprobs are the model's own
+    (deterministic or fast); rewards 0/1 at random (with the defaults both groups have reward variance)."""
+    model = load_model(model_dir)
+    rng = random.Random(7)
+    groups = []
+    for g in range(num_groups):
+        group = []
+        for i in range(per_group):
+            length, prompt = rng.randrange(6, 14), rng.randrange(2, 5)
+            tokens = [rng.randrange(0, 512) for _ in range(length)]
+            with torch.no_grad():
+                logprobs = sequence_logprobs(model, torch.tensor(tokens), start=prompt, deterministic=deterministic)
+            mask = [1] * (length - prompt)
+            mask[0] = 0  # a tool token in the middle of the response: not trained on
+            group.append(
+                TrainSample(
+                    f"g{g}",
+                    f"g{g}/{i}",
+                    g,
+                    tokens,
+                    prompt,
+                    mask,
+                    logprobs.tolist(),
+                    float(rng.random() < 0.5),
+                    True,
+                    0,
+                    0,
+                )
+            )
+        groups.append(group)
+    return groups
 
 
 @dataclass
@@ -212,6 +252,11 @@ TrainerFactory = Callable[[dict[str, str]], TrainerProcess]
 @pytest.fixture
 def make_group() -> GroupFactory:
     return build_group
+
+
+@pytest.fixture
+def make_step_groups() -> Callable[..., list[list[TrainSample]]]:
+    return build_step_groups
 
 
 @pytest.fixture

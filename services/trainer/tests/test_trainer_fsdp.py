@@ -1,7 +1,9 @@
 """The multi-process path for real: miles-trainer launched by `torch.distributed.run --nproc_per_node 2` (gloo on
 the CPU, FSDP2-sharded policy, rank 0 driving rank 1) trains one step from the buffer, is stopped, restarts from
 its checkpoint (weights and Adam state broadcast from rank 0 into the shards) and trains the second; the final
-checkpoint equals a single-process computation of the same two steps."""
+checkpoint equals a single-process computation of the same two steps. Once with one optimizer step per trainer
+step, once with two minibatches x two epochs (a scoring pass for pi_old, four optimizer steps per trainer step,
+ranks with fewer micro-batches running empty ones in every pass)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,11 @@ TRAIN = {"batch_size_groups": 2, "micro_batch_max_tokens": 20, "pull_wait_s": 0.
 OPTIMIZER = {"lr": 1e-2, "eps": 1.0, "grad_clip_norm": None}
 
 
+@pytest.mark.parametrize(
+    "recipe", [{}, {"num_minibatches": 2, "ppo_epochs": 2}], ids=["one_update", "minibatches_and_epochs"]
+)
 async def test_two_rank_fsdp_trainer_with_a_restart_matches_single_process_training(
+    recipe: dict[str, int],
     buffer_process: Any,
     small_model_dir: Path,
     tmp_path: Path,
@@ -50,7 +56,7 @@ async def test_two_rank_fsdp_trainer_with_a_restart_matches_single_process_train
     )
     # The recipe comes in the JSON file the controller writes (below the environment in precedence).
     config_file = tmp_path / "trainer.json"
-    config_file.write_text(json.dumps({"train": {**TRAIN, "optimizer": OPTIMIZER}}))
+    config_file.write_text(json.dumps({"train": {**TRAIN, **recipe, "optimizer": OPTIMIZER}}))
     env["MILES_TRAINER_CONFIG_FILE"] = str(config_file)
     for num_steps in (1, 2):
         trainer = start_trainer({**env, "MILES_TRAINER_TRAIN__NUM_STEPS": str(num_steps)})
@@ -67,6 +73,9 @@ async def test_two_rank_fsdp_trainer_with_a_restart_matches_single_process_train
         status = trainer.start().wait_for(lambda s: s.state == trainer_pb2.TRAINER_STATE_FINISHED)
         assert (status.step, status.weight_version) == (num_steps, num_steps)
         assert status.last_step_metrics["num_micro_batches"] >= 2
+        assert status.last_step_metrics["num_optimizer_steps"] == recipe.get("num_minibatches", 1) * recipe.get(
+            "ppo_epochs", 1
+        )
         trainer.stop()
         assert trainer.process is not None
         log_text = trainer.process.log_path.read_text()
@@ -74,7 +83,7 @@ async def test_two_rank_fsdp_trainer_with_a_restart_matches_single_process_train
     assert '"restored": true' in log_text
     distributed = read_safetensors_dir(tmp_path / "ckpt" / "step-00000002" / "model")
 
-    config = TrainConfig(**TRAIN, num_steps=2, optimizer=OPTIMIZER)  # type: ignore[arg-type]
+    config = TrainConfig(**TRAIN, **recipe, num_steps=2, optimizer=OPTIMIZER)  # type: ignore[arg-type]
     single = load_policy(small_model_dir, config)
     for step, pair in enumerate((groups[:2], groups[2:])):
         samples = [samples_from_group(group, i, vocab_size=512, max_positions=32768) for i, group in enumerate(pair)]

@@ -15,7 +15,7 @@ from miles.model import ModelConfig, read_safetensors_dir
 from miles.trainer.backends.megatron_mapping import AttentionLayout, fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv
 from miles.trainer.backends.torch_backend import load_policy
 from miles.trainer.batch import TrainSample
-from miles.trainer.step import StepPlan, run_step
+from miles.trainer.step import MiniBatch, StepPlan, run_step
 
 # megatron-core 0.16.1 warns about its own deprecations and missing Apex/TE at import and build time.
 pytestmark = [
@@ -140,18 +140,16 @@ def test_megatron_trains_a_step_on_the_cpu_and_restores_its_state(small_model_di
     model_config, weights = ModelConfig.from_dir(small_model_dir), read_safetensors_dir(small_model_dir)
     backend = MegatronBackend(model_config, weights, config)
     samples = _samples()
-    plan = StepPlan(
-        [[samples[:2], samples[2:]]],
-        global_num_tokens=sum(len(s.loss_mask) for s in samples),
-        global_num_seqs=4,
-        trainer_version=0,
+    minibatch = MiniBatch(
+        [[samples[:2], samples[2:]]], global_num_tokens=sum(len(s.loss_mask) for s in samples), global_num_seqs=4
     )
+    plan = StepPlan([minibatch], trainer_version=0)
     result = run_step(backend, plan, config)
     assert result.violation is None and result.grad_norm > 0 and torch.isfinite(torch.tensor(result.stats["loss"]))
     assert result.stats["kl"] == pytest.approx(0.0, abs=1e-9)
     trained = backend.hf_state_dict()
     assert max((trained[n] - weights[n].float()).abs().max().item() for n in trained) > 1e-4
-    second = run_step(backend, StepPlan(plan.micro_batches, plan.global_num_tokens, 4, 1), config)
+    second = run_step(backend, StepPlan([minibatch], trainer_version=1), config)
     assert second.stats["kl"] > 0
 
     # A fresh backend restored from the exported state continues identically.
@@ -163,3 +161,23 @@ def test_megatron_trains_a_step_on_the_cpu_and_restores_its_state(small_model_di
         b = restored.forward(samples, temperature=1.0, entropy_grad=False).logprobs
     assert torch.equal(a, b)
     assert restored.learning_rate() == backend.learning_rate()
+
+
+def test_megatron_runs_minibatches_and_epochs_like_the_torch_backend(small_model_dir: Path) -> None:
+    from miles.trainer.backends.megatron_backend import MegatronBackend
+
+    config = TrainConfig(optimizer={"lr": 1e-3}, ppo_epochs=2, num_minibatches=2)
+    samples = _samples()
+    halves = (samples[:2], samples[2:])
+    plan = StepPlan(
+        [MiniBatch([[half]], sum(len(s.loss_mask) for s in half), len(half)) for half in halves], trainer_version=0
+    )
+    megatron = MegatronBackend(ModelConfig.from_dir(small_model_dir), read_safetensors_dir(small_model_dir), config)
+    torch_backend = load_policy(small_model_dir, config)
+    ours, theirs = run_step(megatron, plan, config), run_step(torch_backend, plan, config)
+    assert ours.num_optimizer_steps == theirs.num_optimizer_steps == 4
+    assert megatron.scheduler.last_epoch == 1
+    assert {int(state["step"]) for state in megatron.optimizer.state.values()} == {4}
+    for name in ("loss", "pg_clipfrac", "ppo_ratio_max", "ppo_ratio_min", "is_ratio_max"):
+        assert ours.stats[name] == pytest.approx(theirs.stats[name], rel=1e-3, abs=1e-6), name
+    print({name: round(ours.stats[name], 5) for name in ("loss", "pg_clipfrac", "ppo_ratio_max", "ppo_ratio_min")})

@@ -4,7 +4,8 @@ and the strict on-policy check."""
 
 from __future__ import annotations
 
-import random
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,46 +13,13 @@ import pytest
 import torch
 
 from miles.common.jobspec.trainer import TrainConfig
-from miles.model import load_model, sequence_logprobs
+from miles.model import load_model
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.torch_backend import TorchBackend, load_policy
 from miles.trainer.batch import TrainSample
-from miles.trainer.step import StepPlan, run_step
+from miles.trainer.step import run_step
 
-
-def make_samples(
-    model_dir: Path, *, deterministic: bool, num_groups: int = 2, per_group: int = 3
-) -> list[list[TrainSample]]:
-    """Groups of random sequences whose rollout logprobs are the model's own (deterministic or fast)."""
-    model = load_model(model_dir)
-    rng = random.Random(7)
-    groups = []
-    for g in range(num_groups):
-        group = []
-        for i in range(per_group):
-            length, prompt = rng.randrange(6, 14), rng.randrange(2, 5)
-            tokens = [rng.randrange(0, 512) for _ in range(length)]
-            with torch.no_grad():
-                logprobs = sequence_logprobs(model, torch.tensor(tokens), start=prompt, deterministic=deterministic)
-            mask = [1] * (length - prompt)
-            mask[0] = 0  # a tool token in the middle of the response: not trained on
-            group.append(
-                TrainSample(
-                    f"g{g}",
-                    f"g{g}/{i}",
-                    g,
-                    tokens,
-                    prompt,
-                    mask,
-                    logprobs.tolist(),
-                    float(rng.random() < 0.5),
-                    True,
-                    0,
-                    0,
-                )
-            )
-        groups.append(group)
-    return groups
+StepGroupsFactory = Callable[..., list[list[TrainSample]]]
 
 
 def step_once(model_dir: Path, config: TrainConfig, groups: list[list[TrainSample]]) -> tuple[TorchBackend, Any]:
@@ -70,8 +38,10 @@ BASE = {"optimizer": {"lr": 1e-2, "grad_clip_norm": None}, "loss": {"entropy_coe
 LINEAR = {"optimizer": {"lr": 1e-2, "eps": 1.0, "grad_clip_norm": None}, "loss": {"entropy_coef": 0.01}}
 
 
-def test_micro_batching_and_accumulation_give_the_same_update_as_one_batch(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=False)
+def test_micro_batching_and_accumulation_give_the_same_update_as_one_batch(
+    small_model_dir: Path, make_step_groups: StepGroupsFactory
+) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=False)
     whole_backend, whole = step_once(small_model_dir, TrainConfig(micro_batch_max_tokens=4096, **LINEAR), groups)
     split_backend, split = step_once(small_model_dir, TrainConfig(micro_batch_max_tokens=16, **LINEAR), groups)
     assert split.stats["loss"] == pytest.approx(whole.stats["loss"], abs=1e-6)
@@ -84,8 +54,10 @@ def test_micro_batching_and_accumulation_give_the_same_update_as_one_batch(small
     assert max((after_whole[n] - after_split[n]).abs().max().item() for n in after_whole) < 1e-3 * moved
 
 
-def test_gradient_checkpointing_gives_the_same_update(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=False)
+def test_gradient_checkpointing_gives_the_same_update(
+    small_model_dir: Path, make_step_groups: StepGroupsFactory
+) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=False)
     plain_backend, plain = step_once(small_model_dir, TrainConfig(**LINEAR), groups)
     ckpt_backend, ckpt = step_once(small_model_dir, TrainConfig(gradient_checkpointing=True, **LINEAR), groups)
     assert ckpt.stats["loss"] == pytest.approx(plain.stats["loss"], abs=1e-7)
@@ -95,9 +67,9 @@ def test_gradient_checkpointing_gives_the_same_update(small_model_dir: Path) -> 
 
 
 def test_deterministic_recompute_equals_rollout_logprobs_bit_for_bit_and_strict_mode_passes(
-    small_model_dir: Path,
+    small_model_dir: Path, make_step_groups: StepGroupsFactory
 ) -> None:
-    groups = make_samples(small_model_dir, deterministic=True)
+    groups = make_step_groups(small_model_dir, deterministic=True)
     config = TrainConfig(deterministic=True, strict_on_policy=True, micro_batch_max_tokens=20, **BASE)
     _, result = step_once(small_model_dir, config, groups)
     assert result.violation is None
@@ -105,8 +77,10 @@ def test_deterministic_recompute_equals_rollout_logprobs_bit_for_bit_and_strict_
     assert result.stats["is_ratio"] == 1.0 and result.stats["is_clamped_fraction"] == 0.0
 
 
-def test_strict_on_policy_fails_the_step_and_leaves_the_weights(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=True)
+def test_strict_on_policy_fails_the_step_and_leaves_the_weights(
+    small_model_dir: Path, make_step_groups: StepGroupsFactory
+) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=True)
     groups[1][2].rollout_logprobs[3] += 1e-3
     config = TrainConfig(deterministic=True, strict_on_policy=True, **BASE)
     backend, result = step_once(small_model_dir, config, groups)
@@ -117,8 +91,8 @@ def test_strict_on_policy_fails_the_step_and_leaves_the_weights(small_model_dir:
     assert all(torch.equal(after[n], before[n]) for n in after)
 
 
-def test_stale_data_is_not_held_to_strict_on_policy(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=True)
+def test_stale_data_is_not_held_to_strict_on_policy(small_model_dir: Path, make_step_groups: StepGroupsFactory) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=True)
     for sample in groups[0]:
         sample.rollout_logprobs = [lp - 0.5 for lp in sample.rollout_logprobs]
         sample.min_version = sample.max_version = -1  # generated by an older version
@@ -130,16 +104,18 @@ def test_stale_data_is_not_held_to_strict_on_policy(small_model_dir: Path) -> No
     assert result.stats["is_weight_max"] == pytest.approx(1.6487, rel=1e-3)
 
 
-def test_bf16_autocast_trains_close_to_fp32(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=False)
+def test_bf16_autocast_trains_close_to_fp32(small_model_dir: Path, make_step_groups: StepGroupsFactory) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=False)
     _, fp32 = step_once(small_model_dir, TrainConfig(**BASE), groups)
     _, bf16 = step_once(small_model_dir, TrainConfig(dtype="bfloat16", **BASE), groups)
     assert 0 < bf16.stats["train_rollout_logprob_abs_diff_max"] < 0.1
     assert bf16.stats["entropy"] == pytest.approx(fp32.stats["entropy"], rel=0.02)
 
 
-def test_sft_loss_is_the_token_mean_nll_of_loss_masked_tokens(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=False)
+def test_sft_loss_is_the_token_mean_nll_of_loss_masked_tokens(
+    small_model_dir: Path, make_step_groups: StepGroupsFactory
+) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=False)
     samples = [s for g in groups for s in g]
     nll = [-lp for s in samples for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m]
     _, result = step_once(small_model_dir, TrainConfig(loss={"kind": "sft"}, optimizer={"lr": 1e-3}), groups)
@@ -147,12 +123,14 @@ def test_sft_loss_is_the_token_mean_nll_of_loss_masked_tokens(small_model_dir: P
     assert result.stats["loss"] == pytest.approx(result.stats["sft_loss"], rel=1e-6)
 
 
-def test_kl_to_the_frozen_reference_is_zero_first_then_positive(small_model_dir: Path) -> None:
-    groups = make_samples(small_model_dir, deterministic=False)
+def test_kl_to_the_frozen_reference_is_zero_first_then_positive(
+    small_model_dir: Path, make_step_groups: StepGroupsFactory
+) -> None:
+    groups = make_step_groups(small_model_dir, deterministic=False)
     config = TrainConfig(loss={"kl_coef": 0.5, "kl_estimator": "k3"}, optimizer={"lr": 5e-2})
     backend = load_policy(small_model_dir, config)
     plan = assemble(groups, [0, 0], config, trainer_version=0, world_size=1).plan
     first = run_step(backend, plan, config)
-    second = run_step(backend, StepPlan(plan.micro_batches, plan.global_num_tokens, plan.global_num_seqs, 1), config)
+    second = run_step(backend, dataclasses.replace(plan, trainer_version=1), config)
     assert first.stats["kl"] == pytest.approx(0.0, abs=1e-9)
     assert second.stats["kl"] > 1e-5

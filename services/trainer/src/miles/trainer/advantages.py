@@ -6,7 +6,10 @@ With r the rewards of a group's trainable samples (COMPLETED / TRUNCATED) and n 
 - `reinforce_pp_baseline`: A_i = r_i - mean(r), then whitened over every valid token of the whole batch:
   A <- (A - mean_tok(A)) / (std_tok(A) + eps), mean and (population) std weighted by each sample's number of
   loss-masked tokens (REINFORCE++ with a group-mean baseline).
-Samples that are not trainable get A = 0 and do not enter the statistics.
+Samples that are not trainable get A = 0 and do not enter the statistics. A group whose trainable rewards are
+all equal gets exactly A = 0 (the mean is taken as that reward, so float rounding of the sum cannot leave a
+1e-17 advantage for Adam to normalise into a full-size update); such a group carries no signal
+(`group_has_signal`), and dynamic sampling discards it before it reaches a batch.
 
 Limit: `Sample.token_rewards` are not used (the scalar reward drives every estimator).
 """
@@ -38,7 +41,7 @@ def group_baseline_advantages(samples: Sequence[SampleReward], *, divide_by_std:
             by_group.setdefault(sample.group_index, []).append(sample.reward)
     stats: dict[int, tuple[float, float]] = {}
     for group_index, rewards in by_group.items():
-        mean = sum(rewards) / len(rewards)
+        mean = rewards[0] if len(set(rewards)) == 1 else sum(rewards) / len(rewards)
         num = len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (num - 1)) if num > 1 else 0.0
         stats[group_index] = (mean, std)
@@ -51,6 +54,11 @@ def group_baseline_advantages(samples: Sequence[SampleReward], *, divide_by_std:
         centered = sample.reward - mean
         advantages.append(centered / (std + eps) if divide_by_std else centered)
     return advantages
+
+
+def group_has_signal(rewards: Sequence[float]) -> bool:
+    """Whether a group's trainable samples' rewards differ (else every group-baseline advantage is 0)."""
+    return len(set(rewards)) > 1
 
 
 def whiten_over_tokens(advantages: Sequence[float], samples: Sequence[SampleReward], *, eps: float) -> list[float]:

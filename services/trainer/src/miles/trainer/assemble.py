@@ -1,8 +1,10 @@
-"""From validated groups to a step plan: advantages, batch statistics, micro-batches per rank.
+"""From validated groups to a step plan: advantages, batch statistics, minibatches, micro-batches per rank.
 
 Runs on rank 0 over the whole global batch (advantage estimators need whole groups, REINFORCE++ whitening the
-whole batch); the plan it returns carries each rank's micro-batches and the global counts the loss is divided
-by.
+whole batch). Only then is the batch split into `num_minibatches` minibatches: contiguous runs of samples in
+batch order (groups stay together where the sizes allow), sizes differing by at most one. The split is the same
+for every epoch (no reshuffling). Each minibatch is spread over ranks and packed into micro-batches on its own
+and carries its own global counts, which its optimizer step's loss is divided by.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.advantages import SampleReward, compute_advantages
 from miles.trainer.batch import TrainSample
 from miles.trainer.packing import plan_micro_batches
-from miles.trainer.step import StepPlan
+from miles.trainer.step import MiniBatch, StepPlan
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,29 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
         return 0.0, 0.0
     mean = sum(values) / len(values)
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def split_evenly(samples: Sequence[TrainSample], num_parts: int) -> list[list[TrainSample]]:
+    """`num_parts` contiguous runs of `samples`, the first len % num_parts of them one longer (some may be
+    empty when there are fewer samples than parts)."""
+    size, extra = divmod(len(samples), num_parts)
+    parts, start = [], 0
+    for index in range(num_parts):
+        end = start + size + (1 if index < extra else 0)
+        parts.append(list(samples[start:end]))
+        start = end
+    return parts
+
+
+def plan_minibatch(samples: Sequence[TrainSample], config: TrainConfig, world_size: int) -> MiniBatch:
+    """Micro-batches per rank of one minibatch, and its global loss-token and sequence counts."""
+    per_rank = plan_micro_batches([s.num_tokens for s in samples], config.micro_batch_max_tokens, world_size)
+    seq_valid = [s.num_loss_tokens for s in samples]
+    return MiniBatch(
+        micro_batches=[[[samples[i] for i in micro] for micro in rank_batches] for rank_batches in per_rank],
+        global_num_tokens=sum(seq_valid),
+        global_num_seqs=sum(1 for n in seq_valid if n > 0),
+    )
 
 
 def assemble(
@@ -53,15 +78,8 @@ def assemble(
     trainable = [s for s in samples if s.trainable]
     reward_mean, reward_std = _mean_std([s.reward for s in trainable])
     advantage_mean, advantage_std = _mean_std([s.advantage for s in trainable])
-    num_tokens = [s.num_tokens for s in samples]
-    seq_valid = [s.num_loss_tokens for s in samples]
-    per_rank = plan_micro_batches(num_tokens, config.micro_batch_max_tokens, world_size)
-    plan = StepPlan(
-        micro_batches=[[[samples[i] for i in micro] for micro in rank_batches] for rank_batches in per_rank],
-        global_num_tokens=sum(seq_valid),
-        global_num_seqs=sum(1 for n in seq_valid if n > 0),
-        trainer_version=trainer_version,
-    )
+    parts = split_evenly(samples, config.num_minibatches)
+    plan = StepPlan([plan_minibatch(part, config, world_size) for part in parts], trainer_version=trainer_version)
     stats = {
         "reward_mean": reward_mean,
         "reward_std": reward_std,
@@ -77,4 +95,5 @@ def assemble(
         "num_micro_batches": float(plan.num_micro_batches),
         "response_length_mean": _mean_std([len(s.loss_mask) for s in trainable])[0],
     }
-    return AssembledBatch(plan=plan, stats=stats, num_samples=len(samples), num_tokens=sum(num_tokens))
+    num_tokens = sum(s.num_tokens for s in samples)
+    return AssembledBatch(plan=plan, stats=stats, num_samples=len(samples), num_tokens=num_tokens)

@@ -1,8 +1,9 @@
 """The trainer's event stream: per-step metrics and lifecycle events, kept in a bounded ring for replay and fanned
 out to live watchers (the WatchEvents RPC, which the controller shows).
 
-Kinds: `step` (metrics of one optimizer step), `checkpoint` (a durable checkpoint and how many groups it
-acked), `state` (a state change), `rejected` (a group nacked as untrainable, with its reason), `error`.
+Kinds: `step` (metrics of one trainer step), `skipped` (a trainer step without signal: no version, its batch
+statistics), `checkpoint` (a durable checkpoint and how many groups it acked), `state` (a state change),
+`rejected` (a group nacked as untrainable, with its reason), `error`.
 A slow watcher never blocks training: its queue is bounded and it loses the oldest events it has not read.
 """
 

@@ -2,9 +2,11 @@
 
     restore the last checkpoint; release the leases a crashed predecessor held
     until the step budget is spent or Stop:
-        pull batch_size_groups valid groups within the staleness bound (bad ones nacked with a reason)
-        advantages -> micro-batches -> forward/backward (logprobs recomputed under the current weights) -> step
-        publish the new weight version
+        pull batch_size_groups valid groups within the staleness bound (admission.py: bad ones nacked with a
+            reason; with dynamic sampling, groups without reward variance discarded and replaced)
+        advantages -> minibatches -> per epoch and minibatch: forward/backward, optimizer step (step.py)
+        publish the new weight version -- unless no optimizer step had signal: then the groups count as
+            consumed (acked with the next checkpoint), the version stays, nothing is published
         every checkpoint_interval_steps: durable checkpoint, then ack the groups it contains
 
 Heavy work (forward/backward, gathering state) runs on one dedicated thread so the event loop keeps serving
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,11 +26,10 @@ from typing import Any, TypeVar
 
 from miles.common.errors import MilesError
 from miles.common.faults import crash_point
-from miles.proto.buffer.v1 import buffer_pb2
 from miles.proto.trainer.v1 import trainer_pb2
+from miles.trainer.admission import Admission, CollectionCounts, PulledGroup
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.base import ModelShape
-from miles.trainer.batch import BadGroupError, TrainSample, group_staleness, samples_from_group
 from miles.trainer.checkpoint import CheckpointStore, TrainerState, restore_rng, rng_state
 from miles.trainer.consumption import Consumer
 from miles.trainer.distributed import RankRunner
@@ -37,22 +37,13 @@ from miles.trainer.errors import OnPolicyViolationError, TrainerNotRunningError
 from miles.trainer.events import Event, EventLog
 from miles.trainer.metrics import TrainerMetrics
 from miles.trainer.publish import WeightPublisher
-from miles.trainer.publish_ledger import SupersededRange, VersionRecord
+from miles.trainer.publish_ledger import VersionRecord
 from miles.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
 State = trainer_pb2.TrainerState
 ResultT = TypeVar("ResultT")
 _DONE_STATES = (trainer_pb2.TRAINER_STATE_STOPPED, trainer_pb2.TRAINER_STATE_FINISHED, trainer_pb2.TRAINER_STATE_FAILED)
-
-
-@dataclass(frozen=True)
-class PulledGroup:
-    group_id: str
-    samples: list[TrainSample]
-    staleness: int
-    prompt_index: int
-    epoch: int
 
 
 @dataclass(frozen=True)
@@ -89,17 +80,15 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.error = ""
         self.groups_trained = 0
-        self.groups_rejected = 0
+        self.admission = Admission(consumer, self.train, metrics, events, shape)
         self.dataset_cursor: dict[str, int] | None = None
         self.done = asyncio.Event()
         self._stop_requested = False
         self._stop_checkpoint = False
         self._checkpoint_waiters: list[asyncio.Future[CheckpointOutcome]] = []
-        self._recent_commits: deque[set[str]] = deque(maxlen=2)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         self._wait_data_s = 0.0
         self._step_finished_unix_ms = 0
-        self._superseded: list[SupersededRange] = []
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -113,10 +102,10 @@ class Trainer:
                 groups = await self.collect_batch()
                 if groups is None:
                     break
-                await self.train_on(groups)
-                await self.publish()
-                if self.step % self.train.checkpoint_interval_steps == 0 or self._budget_spent():
-                    await self.checkpoint()
+                if await self.train_on(groups):
+                    await self.publish()
+                    if self.step % self.train.checkpoint_interval_steps == 0 or self._budget_spent():
+                        await self.checkpoint()
                 await self._serve_checkpoint_requests()
             await self.finish()
         except Exception as exc:
@@ -145,7 +134,7 @@ class Trainer:
             self.dataset_cursor = state.dataset_cursor
         await asyncio.to_thread(self.store.reconcile_ledger, state)
         for entry in self.store.read_ledger()[-2:]:
-            self._recent_commits.append(set(entry["group_ids"]))
+            self.admission.recent_commits.append(set(entry["group_ids"]))
         released = await self.consumer.release_predecessor(should_stop=lambda: self._stop_requested)
         log.info(
             "trainer started",
@@ -161,9 +150,11 @@ class Trainer:
         self._update_gauges()
 
     async def collect_batch(self) -> list[PulledGroup] | None:
-        """batch_size_groups valid, not-yet-trained groups, or None when Stop was asked for meanwhile."""
+        """batch_size_groups admitted (valid, not yet trained, informative with dynamic sampling) groups, or None
+        when Stop was asked for meanwhile."""
         self._set_state(trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA)
         started = time.perf_counter()
+        self.admission.counts = CollectionCounts()
         batch: list[PulledGroup] = []
         while len(batch) < self.train.batch_size_groups:
             if self._stop_requested:
@@ -184,14 +175,17 @@ class Trainer:
                 await asyncio.sleep(1.0)
                 continue
             for leased in response.groups:
-                pulled = await self._admit(leased, group_index=len(batch))
+                pulled = await self.admission.admit(
+                    leased, group_index=len(batch), trainer_version=self.weight_version, step=self.step
+                )
                 if pulled is not None:
                     batch.append(pulled)
         self._wait_data_s = time.perf_counter() - started
         return batch
 
-    async def train_on(self, groups: list[PulledGroup]) -> None:
-        """One optimizer step on the groups; the weight version moves on by one."""
+    async def train_on(self, groups: list[PulledGroup]) -> bool:
+        """One trainer step on the groups. True: the weights moved and the version moved on by one (publish it).
+        False: no optimizer step had signal, nothing was touched; the groups still count as consumed."""
         self._set_state(trainer_pb2.TRAINER_STATE_TRAINING)
         staleness = [g.staleness for g in groups]
         assembled = assemble(
@@ -204,22 +198,30 @@ class Trainer:
         result = await self._compute(self.runner.train_step, assembled.plan)
         if result.violation is not None:
             raise OnPolicyViolationError(result.violation)
-        self._step_finished_unix_ms = int(time.time() * 1000)
-        self.step += 1
-        self.weight_version += 1
         self.consumer.holdings.mark_trained([g.group_id for g in groups])
         self._advance_cursor(groups)
         values = {
             **assembled.stats,
             **result.stats,
+            "zero_signal_fraction": self.admission.counts.zero_signal_fraction,
+            "rollout_reward_mean": self.admission.counts.rollout_reward_mean,
+            "wait_data_s": self._wait_data_s,
+        }
+        if result.num_optimizer_steps == 0:
+            self._record_skip(values, groups)
+            return False
+        values |= {
             "grad_norm": result.grad_norm,
             "learning_rate": result.learning_rate,
             "tokens_per_second": assembled.num_tokens / max(result.forward_backward_s, 1e-9),
-            "wait_data_s": self._wait_data_s,
             "forward_backward_s": result.forward_backward_s,
             "optimizer_s": result.optimizer_s,
         }
+        self._step_finished_unix_ms = int(time.time() * 1000)
+        self.step += 1
+        self.weight_version += 1
         self._record_step(values, groups, assembled.num_samples, assembled.num_tokens)
+        return True
 
     async def resume_publishing(self) -> None:
         """Publish the weights the trainer starts from (version 0 of a new job is its initial weights); after a
@@ -227,7 +229,7 @@ class Trainer:
         (miles.trainer.publish), and groups of the superseded versions are refused from then on."""
         tensors = await self._compute(self.runner.hf_tensors)
         record = await self.publisher.resume(self.weight_version, tensors, step=self.step)
-        self._superseded = self.publisher.superseded
+        self.admission.superseded = self.publisher.superseded
         if record.version != self.weight_version:
             self.events.publish(
                 Event(
@@ -289,7 +291,7 @@ class Trainer:
             self.metrics.checkpoints.inc()
             crash_point("trainer.checkpoint.before_ack", self.step)
         if committed:
-            self._recent_commits.append(set(committed))
+            self.admission.recent_commits.append(set(committed))
         outcome = await self.consumer.ack_committed()
         self.metrics.groups_acked.inc(outcome.num_acked)
         self.metrics.leases_lost.inc(len(outcome.expired_lease_ids))
@@ -311,7 +313,9 @@ class Trainer:
         if self._budget_spent() and not self._stop_requested:
             # Groups a checkpoint already holds but whose acks a crash prevented sit at the head of the queue.
             await self.consumer.drain_redundant(
-                self._recently_committed, self.train.batch_size_groups, self.metrics.groups_already_trained.inc
+                self.admission.recently_committed,
+                self.train.batch_size_groups,
+                self.metrics.groups_already_trained.inc,
             )
             if self.step != self.checkpoint_step or self.consumer.holdings.leases_to_ack():
                 await self.checkpoint()
@@ -359,47 +363,6 @@ class Trainer:
             if not waiter.done():
                 waiter.set_result(outcome)
 
-    async def _admit(self, leased: buffer_pb2.LeasedGroup, *, group_index: int) -> PulledGroup | None:
-        group_id = leased.group.group_id
-        holdings = self.consumer.holdings
-        if holdings.already_trained(group_id) or group_id in holdings.pulled or self._recently_committed(group_id):
-            holdings.redundant[group_id] = leased.lease_id
-            self.metrics.groups_already_trained.inc()
-            return None
-        try:
-            samples = samples_from_group(
-                leased.group, group_index, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_positions
-            )
-        except BadGroupError as exc:
-            await self._reject(leased, exc.reason, exc.message)
-            return None
-        superseded = self._superseded_span(samples)
-        if superseded is not None:
-            await self._reject(leased, "superseded_version", f"a span was generated by superseded version {superseded}")
-            return None
-        holdings.pulled[group_id] = leased.lease_id
-        staleness = group_staleness(samples, self.weight_version)
-        return PulledGroup(group_id, samples, staleness, leased.group.prompt_index, leased.group.epoch)
-
-    async def _reject(self, leased: buffer_pb2.LeasedGroup, reason: str, why: str) -> None:
-        group_id = leased.group.group_id
-        await self.consumer.discard(leased.lease_id, f"trainer rejected the group: {reason}: {why}")
-        self.groups_rejected += 1
-        self.metrics.groups_rejected.labels(reason).inc()
-        self.events.publish(Event("rejected", self.step, message=f"group {group_id!r}: {reason}: {why}"))
-        log.warning("group rejected", extra={"group_id": group_id, "reason": reason, "why": why})
-
-    def _superseded_span(self, samples: list[TrainSample]) -> int | None:
-        """A span version of `samples` that a rewind superseded (None when every span is in the lineage)."""
-        for sample in samples:
-            for version in sample.span_versions:
-                if any(version in superseded for superseded in self._superseded):
-                    return version
-        return None
-
-    def _recently_committed(self, group_id: str) -> bool:
-        return any(group_id in ids for ids in self._recent_commits)
-
     def _advance_cursor(self, groups: list[PulledGroup]) -> None:
         for group in groups:
             cursor = self.dataset_cursor
@@ -411,22 +374,24 @@ class Trainer:
     ) -> None:
         self.last_metrics = values
         self.groups_trained += len(groups)
-        self.metrics.steps.inc()
-        self.metrics.groups_trained.inc(len(groups))
-        self.metrics.samples_trained.inc(num_samples)
-        self.metrics.tokens_trained.inc(num_tokens)
-        for phase, key in (
-            ("wait_data", "wait_data_s"),
-            ("forward_backward", "forward_backward_s"),
-            ("optimizer", "optimizer_s"),
-        ):
-            self.metrics.phase_seconds.labels(phase).observe(values[key])
-        for group in groups:
-            self.metrics.group_staleness.observe(group.staleness)
-        self.metrics.observe_step(values)
+        self.metrics.observe_step(values, [g.staleness for g in groups], num_samples=num_samples, num_tokens=num_tokens)
         self._update_gauges()
         self.events.publish(Event("step", self.step, state=self.state, metrics=values))
         log.info("step", extra={"step": self.step, "weight_version": self.weight_version, "loss": values.get("loss")})
+
+    def _record_skip(self, values: dict[str, float], groups: list[PulledGroup]) -> None:
+        """A trainer step without signal: counted and announced; the step, version and last metrics stay."""
+        self.metrics.observe_skipped_step(values)
+        self.events.publish(
+            Event(
+                "skipped",
+                self.step,
+                state=self.state,
+                metrics=values,
+                message=f"no optimizer step had signal in {len(groups)} groups: consumed without a step",
+            )
+        )
+        log.info("step skipped: no signal", extra={"step": self.step, "num_groups": len(groups)})
 
     def _update_gauges(self) -> None:
         self.metrics.step.set(self.step)
@@ -447,6 +412,10 @@ class Trainer:
             if not waiter.done():
                 waiter.set_exception(TrainerNotRunningError(self.error))
         self._checkpoint_waiters = []
+
+    @property
+    def groups_rejected(self) -> int:
+        return self.admission.num_rejected
 
     @property
     def is_done(self) -> bool:

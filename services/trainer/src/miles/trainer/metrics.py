@@ -7,20 +7,23 @@ here, is also in the step event and in Status.last_step_metrics. Labels are boun
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from miles.common.telemetry import Metrics
 from miles.trainer.batch import REJECT_REASONS
 
 STEP_GAUGES: dict[str, str] = {
-    "loss": "Total loss of the last step (aggregated over the global batch)",
+    "loss": "Total loss of the last step (each optimizer step's over its minibatch, mean over optimizer steps)",
     "pg_loss": "Policy-gradient term of the last step's loss",
     "sft_loss": "SFT negative log-likelihood of the last step",
     "kl": "KL to the reference (aggregated like the loss) of the last step",
     "entropy": "Mean entropy of the policy over loss tokens, last step",
-    "pg_clipfrac": "Fraction of loss tokens where the PPO clip was active, last step",
+    "pg_clipfrac": "Fraction of loss tokens where the PPO clip was active, mean over the last step's optimizer steps",
     "pg_dual_clipfrac": "Fraction of loss tokens where the dual clip was active, last step",
-    "reward_mean": "Mean reward of trainable samples, last step",
+    "reward_mean": "Mean reward of the trained batch's trainable samples, last step (informative groups only when "
+    "dynamic sampling discards the others)",
+    "rollout_reward_mean": "Mean reward of the trainable samples of every valid group pulled for the last step, "
+    "the ones dynamic sampling discarded included: how well the policy does",
     "reward_std": "Standard deviation of rewards of trainable samples, last step",
     "advantage_mean": "Mean advantage of trainable samples, last step",
     "advantage_std": "Standard deviation of advantages of trainable samples, last step",
@@ -33,11 +36,16 @@ STEP_GAUGES: dict[str, str] = {
     "is_veto_seq_fraction": "Fraction of sequences vetoed by MIS rejection, last step",
     "train_rollout_logprob_abs_diff": "Mean |train_logp - rollout_logp| over loss tokens, last step",
     "train_rollout_logprob_abs_diff_max": "Max |train_logp - rollout_logp| over loss tokens, last step",
-    "grad_norm": "Global gradient norm before clipping, last step",
+    "grad_norm": "Global gradient norm before clipping, mean over the last step's optimizer steps",
     "learning_rate": "Learning rate of the last step",
     "staleness_mean": "Mean staleness (versions) of the groups of the last step",
     "staleness_max": "Largest staleness (versions) of the groups of the last step",
-    "tokens_per_second": "Tokens (prompt + response) per second of forward/backward, last step",
+    "tokens_per_second": "Tokens (prompt + response) of the batch per second of the step's forward/backward passes",
+    "ppo_ratio_min": "Smallest PPO ratio pi_theta / pi_old (or / mu with old_logprobs rollout) over loss tokens",
+    "ppo_ratio_max": "Largest PPO ratio pi_theta / pi_old (or / mu with old_logprobs rollout) over loss tokens",
+    "num_optimizer_steps": "Optimizer steps of the last trainer step (ppo_epochs x minibatches with signal)",
+    "num_optimizer_steps_skipped": "Optimizer steps the last trainer step skipped (minibatches without signal)",
+    "zero_signal_fraction": "Fraction of the valid groups pulled for the last step whose rewards were all equal",
 }
 
 
@@ -46,12 +54,18 @@ class TrainerMetrics:
         self.step = metrics.gauge("step", "Optimizer steps taken (restored from a checkpoint included)")
         self.weight_version = metrics.gauge("weight_version", "Weight version of the current policy")
         self.checkpoint_step = metrics.gauge("checkpoint_step", "Step of the last durable checkpoint (-1: none)")
-        self.steps = metrics.counter("steps", "Optimizer steps taken by this process")
+        self.steps = metrics.counter("steps", "Trainer steps (published versions) taken by this process")
+        self.steps_skipped = metrics.counter(
+            "steps_skipped", "Trainer steps skipped: no optimizer step had signal (groups consumed, nothing published)"
+        )
         self.groups_trained = metrics.counter("groups_trained", "Groups trained on by this process")
         self.samples_trained = metrics.counter("samples_trained", "Trainable samples trained on by this process")
         self.tokens_trained = metrics.counter("tokens_trained", "Tokens (prompt + response) forwarded in training")
         self.groups_rejected = metrics.counter(
             "groups_rejected", "Groups nacked (discarded) as untrainable, by reason", ["reason"]
+        )
+        self.groups_zero_signal = metrics.counter(
+            "groups_zero_signal", "Groups discarded by dynamic sampling: every trainable reward equal (no advantage)"
         )
         self.groups_already_trained = metrics.counter(
             "groups_already_trained", "Redelivered groups whose update a checkpoint already holds (acked, not trained)"
@@ -78,7 +92,26 @@ class TrainerMetrics:
         self.checkpoint_step.set(-1)
         self.published_version.set(-1)
 
-    def observe_step(self, values: Mapping[str, float]) -> None:
+    def observe_step(
+        self, values: Mapping[str, float], staleness: Sequence[int], *, num_samples: int, num_tokens: int
+    ) -> None:
+        """A trainer step that moved the weights: counters, phase durations, staleness and the step gauges."""
+        self.steps.inc()
+        self.groups_trained.inc(len(staleness))
+        self.samples_trained.inc(num_samples)
+        self.tokens_trained.inc(num_tokens)
+        for phase in ("wait_data", "forward_backward", "optimizer"):
+            self.phase_seconds.labels(phase).observe(values[f"{phase}_s"])
+        for versions in staleness:
+            self.group_staleness.observe(versions)
+        self._set_gauges(values)
+
+    def observe_skipped_step(self, values: Mapping[str, float]) -> None:
+        """A trainer step without signal: counted; only the gauges it has values for move."""
+        self.steps_skipped.inc()
+        self._set_gauges(values)
+
+    def _set_gauges(self, values: Mapping[str, float]) -> None:
         for name, gauge in self.step_gauges.items():
             if name in values:
                 gauge.set(values[name])

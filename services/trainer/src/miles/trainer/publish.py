@@ -9,7 +9,7 @@
   `/update_weights_from_disk` on each (debugging; clusters without a data path between the pools);
 - `none`: nothing (SFT jobs, tests).
 
-**Versions are honest** (DESIGN invariant 2). A version number carries exactly the weights of one optimizer step
+**Versions are honest** (DESIGN invariant 2). A version number carries exactly the weights of one trainer step
 of one lineage, and is never reused with other weights. `publish` sends the version the step produced (parent
 = version - 1). `resume` runs once at start-up with the weights the trainer starts from (the initial weights, or
 a restored checkpoint of version R): when nothing above R was ever published it republishes R (idempotent: the
@@ -119,7 +119,7 @@ class WeightPublisher(abc.ABC):
     async def publish(
         self, version: int, tensors: Mapping[str, torch.Tensor], *, step: int, step_finished_unix_ms: int
     ) -> VersionRecord:
-        """Publish the weights of the optimizer step that just finished as `version` (its parent is version - 1)."""
+        """Publish the weights of the trainer step that just finished as `version` (its parent is version - 1)."""
         converted, digest = await self._prepare(tensors)
         record = VersionRecord(version, version - 1, step, digest)
         return await self._publish(record, converted, step_finished_unix_ms=step_finished_unix_ms)

@@ -2,7 +2,7 @@
 
 The weight-sync client (a library of the trainer; the service runs elsewhere) sends the version's tensors in the
 publish dtype — over the origin's raw TCP data channel when it offers one, else the gRPC stream — with the time
-the optimizer step finished (the start of the version's step-to-serving latency). The origin checks every tensor
+the trainer step finished (the start of the version's step-to-serving latency). The origin checks every tensor
 against its checksum, stores the version (a lossless delta against its parent) and rolls it out to the engines;
 nothing goes through disk on the trainer side. The origin's answer carries the version's weights digest, which
 must equal the trainer's own (else the publish fails: something between them changed the bytes).

@@ -128,7 +128,7 @@ class TrainerSettings(ServiceSettings):
     """Where the model runs; auto: CUDA when available."""
 
     initial_weight_version: int = Field(default=0, ge=0)
-    """Weight version of the weights in model_path; each optimizer step adds one."""
+    """Weight version of the weights in model_path; each trainer step adds one."""
 
     consumer_id: str = ""
     """Buffer consumer id (stable across restarts so a restart can release its predecessor's leases); default
@@ -184,6 +184,9 @@ class TrainerSettings(ServiceSettings):
                 raise ValueError("publish.kind 'nccl' needs publish.router_url or publish.engine_urls (the engines)")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        problems = self.train.recipe_problems()
+        if problems:
+            raise ValueError("refused recipe: " + "; ".join(f"{field}: {why}" for field, why in problems))
         return self
 
     @property

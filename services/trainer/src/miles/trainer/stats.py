@@ -1,14 +1,15 @@
 """Step statistics accumulated over micro-batches and ranks: totals, means (sum + count), minima, maxima.
 
-Every per-token statistic of a step (clip fraction, TIS weights, logprob differences ...) is added here per
-micro-batch as a sum and a count, so the step's value is the exact mean over the global batch whatever the
-micro-batch split and the number of ranks. `merge` combines accumulators (e.g. gathered from other ranks).
+Every per-token statistic of an optimizer step (clip fraction, TIS weights, logprob differences ...) is added
+here per micro-batch as a sum and a count, so its value is the exact mean over the minibatch whatever the
+micro-batch split and the number of ranks. `merge` combines accumulators (e.g. gathered from other ranks);
+`mean_over_updates` turns the optimizer steps of one trainer step into its statistics (mean over them).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,3 +91,20 @@ def merge_all(parts: Iterable[StepStats]) -> StepStats:
     for part in parts:
         merged.merge(part)
     return merged
+
+
+def mean_over_updates(parts: Sequence[StepStats]) -> dict[str, float]:
+    """A trainer step's statistics from those of its optimizer steps: each total (a loss already divided by its
+    minibatch's counts) and each mean averaged over the optimizer steps that counted it, minima and maxima over
+    all of them. With one part this is exactly `parts[0].result()`."""
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(name for part in parts for name in part.totals):
+        totals = [part.totals[name] for part in parts if name in part.totals]
+        out[name] = sum(totals) / len(totals)
+    for name in dict.fromkeys(name for part in parts for name in part.sums):
+        means = [part.sums[name] / part.counts[name] for part in parts if part.counts.get(name, 0.0)]
+        out[name] = sum(means) / len(means) if means else 0.0
+    extremes = merge_all(parts)
+    out.update({name: value for name, value in extremes.minima.items() if math.isfinite(value)})
+    out.update({name: value for name, value in extremes.maxima.items() if math.isfinite(value)})
+    return out

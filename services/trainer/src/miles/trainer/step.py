@@ -1,26 +1,38 @@
-"""One optimizer step over a planned batch: forward/backward per micro-batch, loss terms, statistics, the
-strict on-policy check, then the optimizer step. Runs on every rank with that rank's micro-batches.
+"""One trainer step over a planned batch: ppo_epochs passes over its minibatches, one optimizer step per
+minibatch and epoch, then one scheduler step. Runs on every rank with that rank's micro-batches.
 
-Per micro-batch the trainer's recomputed logprobs are the forward's own output, detached (`train_logp`): all
-micro-batches of a step see the weights of the current version, so no separate scoring pass is needed.
-Loss per token (policy_gradient):  w_is * keep * ppo(lp, old, A) + kl_coef * kl(lp, ref) - entropy_coef * H,
-aggregated with the global weights of `losses.aggregation_weights` (see the README for the formulas).
+    signal = minibatches with a loss-masked token whose advantage != 0 (or any loss token with a KL/entropy
+             term, or SFT)
+    updates = ppo_epochs * |signal|;  none: the step is skipped (no forward, nothing touched)
+    pi_old: updates == 1: the forward's own output, detached (no extra pass)
+            updates > 1:  a no-grad scoring pass over the signal minibatches before the first update, fixed for
+                          every epoch (so are the TIS/MIS weights computed from it)
+    for epoch, for minibatch in signal: zero_grad, forward/backward per micro-batch, optimizer step
+    scheduler step (once per trainer step: the LR schedule runs over train.num_steps trainer steps)
+
+A minibatch without signal would give a zero gradient on which AdamW still moves the weights (momentum, weight
+decay) and advances its step count: it is not run at all. The decision is a function of the plan, which every
+rank holds whole, so all ranks skip the same minibatches and their FSDP collectives stay in lockstep; a rank
+with fewer micro-batches than another runs empty ones.
+
+Statistics: each optimizer step's statistics are merged over ranks, then every statistic of the trainer step is
+the mean over its optimizer steps (of those that counted it), minima and maxima over all of them. The strict
+on-policy check runs before the first update (on the scoring pass, or on the only update's forward).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.backends.base import TrainBackend
 from miles.trainer.batch import TrainSample
-from miles.trainer.corrections import compute_correction
-from miles.trainer.losses import aggregation_weights, kl_penalty, ppo_clip_loss, sft_loss
-from miles.trainer.stats import StepStats
+from miles.trainer.microbatch import MicroBatchContext, add_mismatch_stats, flatten, micro_batch_loss
+from miles.trainer.stats import StepStats, mean_over_updates
 
 DUMMY_SAMPLE = TrainSample(
     group_id="",
@@ -35,136 +47,62 @@ DUMMY_SAMPLE = TrainSample(
     min_version=None,
     max_version=None,
 )
+MicroKey = tuple[int, int]
 
 
 @dataclass
-class StepPlan:
-    """What every rank needs to run one step. `micro_batches[rank][i]` are the samples of micro-batch i of a
-    rank; ranks with fewer micro-batches than `num_micro_batches` run empty ones (FSDP collectives stay in
-    lockstep). Global counts are over the whole batch."""
+class MiniBatch:
+    """The data of one optimizer step. `micro_batches[rank][i]` are the samples of micro-batch i of a rank;
+    ranks with fewer micro-batches than `num_micro_batches` run empty ones (FSDP collectives stay in lockstep).
+    Global counts are over the whole minibatch (the loss of its optimizer step is divided by them)."""
 
     micro_batches: list[list[list[TrainSample]]]
     global_num_tokens: int
     global_num_seqs: int
-    trainer_version: int
 
     @property
     def num_micro_batches(self) -> int:
         return max((len(per_rank) for per_rank in self.micro_batches), default=0)
 
+    def samples(self) -> list[TrainSample]:
+        return [s for per_rank in self.micro_batches for micro in per_rank for s in micro]
+
+
+@dataclass
+class StepPlan:
+    """What every rank needs to run one trainer step: the batch split into minibatches (in order)."""
+
+    minibatches: list[MiniBatch]
+    trainer_version: int
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Forward/backward passes per epoch (over every minibatch)."""
+        return sum(minibatch.num_micro_batches for minibatch in self.minibatches)
+
 
 @dataclass
 class StepResult:
-    """Merged statistics of every rank; `violation` is set (and no optimizer step taken) when strict
-    on-policy failed."""
+    """Merged statistics of every rank; `violation` is set (and no optimizer step taken) when strict on-policy
+    failed; `num_optimizer_steps` 0 means the trainer step was skipped (no signal)."""
 
     stats: dict[str, float]
+    num_optimizer_steps: int = 0
     grad_norm: float = 0.0
     learning_rate: float = 0.0
     violation: str | None = None
     forward_backward_s: float = 0.0
     optimizer_s: float = 0.0
-    raw: StepStats = field(default_factory=StepStats)
 
 
-@dataclass(frozen=True)
-class _Flat:
-    """Per response token of a micro-batch (every response token, in sample order)."""
-
-    loss_mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    seq_ids: torch.Tensor
-    seq_num_valid: torch.Tensor
-    current_version: torch.Tensor
-
-
-def _flatten(samples: Sequence[TrainSample], trainer_version: int) -> _Flat:
-    masks, rollout, advantages, seq_ids, current = [], [], [], [], []
-    for index, sample in enumerate(samples):
-        n = len(sample.loss_mask)
-        mask = sample.loss_mask if sample.trainable else [0] * n
-        masks.append(torch.tensor(mask, dtype=torch.float32))
-        rollout.append(torch.tensor(sample.rollout_logprobs, dtype=torch.float32))
-        advantages.append(torch.full((n,), sample.advantage, dtype=torch.float32))
-        seq_ids.append(torch.full((n,), index, dtype=torch.long))
-        is_current = sample.min_version == trainer_version and sample.max_version == trainer_version
-        current.append(torch.full((n,), float(is_current)))
-    mask_all = torch.cat(masks)
-    seq_all = torch.cat(seq_ids)
-    seq_num_valid = torch.zeros(len(samples), dtype=torch.long).index_add_(0, seq_all, (mask_all > 0).long())
-    return _Flat(mask_all, torch.cat(rollout), torch.cat(advantages), seq_all, seq_num_valid, torch.cat(current))
-
-
-def micro_batch_loss(
-    backend: TrainBackend, samples: Sequence[TrainSample], plan: StepPlan, config: TrainConfig, stats: StepStats
-) -> torch.Tensor:
-    """The micro-batch's share of the global loss (already divided by global counts)."""
-    loss_config = config.loss
-    flat = _flatten(samples, plan.trainer_version)
-    outputs = backend.forward(samples, temperature=loss_config.temperature, entropy_grad=loss_config.entropy_coef > 0)
-    logprobs = outputs.logprobs
-    train_logprobs = logprobs.detach()
-    mask = flat.loss_mask
-    weights = aggregation_weights(
-        mask,
-        flat.seq_ids,
-        flat.seq_num_valid,
-        mode=loss_config.aggregation,
-        global_num_tokens=plan.global_num_tokens,
-        global_num_seqs=plan.global_num_seqs,
-        token_sum_divisor=loss_config.token_sum_divisor,
-    )
-    abs_diff = (train_logprobs - flat.rollout_logprobs).abs()
-    stats.add_masked("train_rollout_logprob_abs_diff", abs_diff, mask, extremes=True)
-    stats.add_masked("current_version_logprob_abs_diff", abs_diff, mask * flat.current_version, extremes=True)
-    stats.add_masked("entropy", outputs.entropy, mask)
-    stats.add_mean("num_loss_tokens", float(mask.sum()), 1)
-    if loss_config.kind == "sft":
-        per_token = sft_loss(logprobs)
-        stats.add_total("sft_loss", float((per_token.detach() * weights).sum()))
-    else:
-        per_token = _policy_gradient(logprobs, train_logprobs, flat, weights, config, stats)
-        if loss_config.kl_coef > 0:
-            reference = backend.reference_logprobs(samples, temperature=loss_config.temperature)
-            kl = kl_penalty(logprobs, reference, loss_config.kl_estimator)
-            stats.add_total("kl", float((kl.detach() * weights).sum()))
-            per_token = per_token + loss_config.kl_coef * kl
-        if loss_config.entropy_coef > 0:
-            per_token = per_token - loss_config.entropy_coef * outputs.entropy
-    loss = (per_token * weights).sum()
-    stats.add_total("loss", float(loss.detach()))
-    return loss
-
-
-def _policy_gradient(
-    logprobs: torch.Tensor,
-    train_logprobs: torch.Tensor,
-    flat: _Flat,
-    weights: torch.Tensor,
-    config: TrainConfig,
-    stats: StepStats,
-) -> torch.Tensor:
-    loss_config = config.loss
-    old = train_logprobs if loss_config.old_logprobs == "train" else flat.rollout_logprobs
-    terms = ppo_clip_loss(
-        logprobs,
-        old,
-        flat.advantages,
-        clip_low=loss_config.clip_low,
-        clip_high=loss_config.clip_high,
-        dual_clip_c=loss_config.dual_clip_c,
-    )
-    num_seqs = int(flat.seq_num_valid.shape[0])
-    correction = compute_correction(
-        train_logprobs, flat.rollout_logprobs, flat.loss_mask, flat.seq_ids, num_seqs, config.correction, stats
-    )
-    pg = terms.loss * correction.weights * correction.keep
-    stats.add_total("pg_loss", float((pg.detach() * weights).sum()))
-    stats.add_masked("pg_clipfrac", terms.clipped, flat.loss_mask)
-    stats.add_masked("pg_dual_clipfrac", terms.dual_clipped, flat.loss_mask)
-    stats.add_masked("ppo_ratio", terms.ratio, flat.loss_mask, extremes=True)
-    return pg
+def has_signal(samples: Sequence[TrainSample], config: TrainConfig) -> bool:
+    """Whether an optimizer step on these samples can have a non-zero gradient: a loss-masked token with a
+    non-zero advantage, or any loss-masked token when a KL/entropy term or the SFT loss applies."""
+    tokens = [s for s in samples if s.num_loss_tokens > 0]
+    loss = config.loss
+    if loss.kind == "sft" or loss.kl_coef > 0 or loss.entropy_coef > 0:
+        return bool(tokens)
+    return any(s.advantage != 0.0 for s in tokens)
 
 
 def run_step(
@@ -176,36 +114,137 @@ def run_step(
     world_size: int = 1,
     merge_stats: Callable[[StepStats], StepStats] | None = None,
 ) -> StepResult:
-    """Forward/backward of this rank's micro-batches, merge statistics over ranks, strict check, step."""
+    """The trainer step of the module docstring on this rank; statistics merged over ranks by `merge_stats`."""
+    merge = merge_stats if merge_stats is not None else _identity
+    signal = [index for index, mb in enumerate(plan.minibatches) if has_signal(mb.samples(), config)]
+    num_updates = config.ppo_epochs * len(signal)
+    counts = {
+        "num_optimizer_steps": float(num_updates),
+        "num_optimizer_steps_skipped": float(config.ppo_epochs * (len(plan.minibatches) - len(signal))),
+    }
+    if num_updates == 0:
+        return StepResult(stats=counts)
     started = time.perf_counter()
-    backend.zero_grad()
-    stats = StepStats()
-    own = plan.micro_batches[rank] if rank < len(plan.micro_batches) else []
-    for index in range(plan.num_micro_batches):
-        if index < len(own):
-            loss = micro_batch_loss(backend, own[index], plan, config, stats)
-        else:
-            loss = backend.forward([DUMMY_SAMPLE], temperature=1.0, entropy_grad=False).logprobs.sum() * 0.0
-        # FSDP averages gradients over ranks; the loss is already a share of the global sum.
-        torch.autograd.backward(loss * world_size)
-    merged = merge_stats(stats) if merge_stats is not None else stats
-    values = merged.result()
-    forward_backward_s = time.perf_counter() - started
-    violation = _on_policy_violation(values, config)
-    if violation is not None:
-        backend.zero_grad()
-        return StepResult(stats=values, violation=violation, forward_backward_s=forward_backward_s, raw=merged)
-    started = time.perf_counter()
+    proximal: dict[MicroKey, torch.Tensor] = {}
+    if num_updates > 1:
+        proximal, scored = _score_proximal(backend, plan, signal, config, rank)
+        values = merge(scored).result()
+        violation = _on_policy_violation(values, config)
+        if violation is not None:
+            elapsed_s = time.perf_counter() - started
+            return StepResult(stats=values | counts, violation=violation, forward_backward_s=elapsed_s)
+    runner = _Updates(backend, plan, config, rank, world_size, proximal)
     learning_rate = backend.learning_rate()
-    grad_norm = backend.step(config.optimizer.grad_clip_norm)
+    updates: list[StepStats] = []
+    grad_norms: list[float] = []
+    for _ in range(config.ppo_epochs):
+        for index in signal:
+            merged = merge(runner.forward_backward(index))
+            if num_updates == 1:  # pi_old is this forward's output: check before the only optimizer step
+                violation = _on_policy_violation(merged.result(), config)
+                if violation is not None:
+                    backend.zero_grad()
+                    return StepResult(
+                        stats=merged.result() | counts, violation=violation, forward_backward_s=runner.elapsed_s
+                    )
+            grad_norms.append(runner.optimizer_step())
+            updates.append(merged)
+    backend.advance_schedule()
     return StepResult(
-        stats=values,
-        grad_norm=grad_norm,
+        stats=mean_over_updates(updates) | counts | {"grad_norm_max": max(grad_norms)},
+        num_optimizer_steps=num_updates,
+        grad_norm=sum(grad_norms) / len(grad_norms),
         learning_rate=learning_rate,
-        forward_backward_s=forward_backward_s,
-        optimizer_s=time.perf_counter() - started,
-        raw=merged,
+        forward_backward_s=time.perf_counter() - started - runner.optimizer_s,
+        optimizer_s=runner.optimizer_s,
     )
+
+
+def _identity(stats: StepStats) -> StepStats:
+    return stats
+
+
+def _own(minibatch: MiniBatch, rank: int) -> list[list[TrainSample]]:
+    return minibatch.micro_batches[rank] if rank < len(minibatch.micro_batches) else []
+
+
+def _dummy_forward(backend: TrainBackend) -> torch.Tensor:
+    return backend.forward([DUMMY_SAMPLE], temperature=1.0, entropy_grad=False).logprobs
+
+
+@torch.no_grad()
+def _score_proximal(
+    backend: TrainBackend, plan: StepPlan, signal: Sequence[int], config: TrainConfig, rank: int
+) -> tuple[dict[MicroKey, torch.Tensor], StepStats]:
+    """pi_old of every loss token of the signal minibatches, under the weights before the first update."""
+    proximal: dict[MicroKey, torch.Tensor] = {}
+    stats = StepStats()
+    for index in signal:
+        minibatch = plan.minibatches[index]
+        own = _own(minibatch, rank)
+        for micro in range(minibatch.num_micro_batches):
+            if micro >= len(own):
+                _dummy_forward(backend)
+                continue
+            outputs = backend.forward(own[micro], temperature=config.loss.temperature, entropy_grad=False)
+            proximal[(index, micro)] = outputs.logprobs.detach()
+            add_mismatch_stats(proximal[(index, micro)], flatten(own[micro], plan.trainer_version), stats)
+    return proximal, stats
+
+
+class _Updates:
+    """Forward/backward and optimizer step of one minibatch at a time; reference logprobs computed in the first
+    epoch are kept for the next ones (they do not depend on the trained weights)."""
+
+    def __init__(
+        self,
+        backend: TrainBackend,
+        plan: StepPlan,
+        config: TrainConfig,
+        rank: int,
+        world_size: int,
+        proximal: dict[MicroKey, torch.Tensor],
+    ) -> None:
+        self.backend, self.plan, self.config = backend, plan, config
+        self.rank, self.world_size = rank, world_size
+        self.proximal = proximal
+        self.reference: dict[MicroKey, torch.Tensor] = {}
+        self.started = time.perf_counter()
+        self.optimizer_s = 0.0
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started - self.optimizer_s
+
+    def forward_backward(self, index: int) -> StepStats:
+        """Gradients of minibatch `index` accumulated over this rank's micro-batches; its statistics."""
+        self.backend.zero_grad()
+        minibatch = self.plan.minibatches[index]
+        own = _own(minibatch, self.rank)
+        stats = StepStats()
+        for micro in range(minibatch.num_micro_batches):
+            if micro < len(own):
+                context = MicroBatchContext(
+                    global_num_tokens=minibatch.global_num_tokens,
+                    global_num_seqs=minibatch.global_num_seqs,
+                    trainer_version=self.plan.trainer_version,
+                    proximal_logprobs=self.proximal.get((index, micro)),
+                    reference_logprobs=self.reference.get((index, micro)),
+                )
+                loss, reference = micro_batch_loss(self.backend, own[micro], context, self.config, stats)
+                if reference is not None:
+                    self.reference[(index, micro)] = reference
+            else:
+                loss = _dummy_forward(self.backend).sum() * 0.0
+            # FSDP averages gradients over ranks; the loss is already a share of the minibatch's global sum.
+            torch.autograd.backward(loss * self.world_size)
+        return stats
+
+    def optimizer_step(self) -> float:
+        started = time.perf_counter()
+        grad_norm = self.backend.step(self.config.optimizer.grad_clip_norm)
+        self.optimizer_s += time.perf_counter() - started
+        return grad_norm
 
 
 def _on_policy_violation(values: dict[str, float], config: TrainConfig) -> str | None:

@@ -62,9 +62,13 @@ class LossConfig(Section):
     """Dual-clip PPO: for negative advantages the loss is capped at -c * A (c > 1); None disables."""
 
     old_logprobs: Literal["train", "rollout"] = "train"
-    """Denominator of the PPO ratio. `train`: the trainer's own recomputed logprobs before the step (the ratio is
-    1 on the first and only pass; off-policy correction comes from TIS/MIS). `rollout`: the engine's logprobs
-    (the ratio itself carries the off-policyness and clipping acts on it)."""
+    """Denominator of the PPO ratio. `train` (decoupled PPO): the proximal policy pi_old, the trainer's own
+    logprobs before the first update of the step; the ratio pi_theta / pi_old is clipped and the behaviour
+    policy's mismatch pi_old / mu is corrected once, by `correction` (TIS/MIS). The ratio is 1 on the first
+    update, so the clip acts only from the second optimizer step of a trainer step on (`ppo_epochs` or
+    `num_minibatches` > 1). `rollout`: the engine's logprobs mu (the ratio pi_theta / mu itself carries the
+    off-policyness and clipping acts on it); `correction.mode` must then be `none`, or the mismatch would be
+    corrected twice (see `TrainConfig.recipe_problems`)."""
 
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty to the frozen reference (the initial weights); 0 builds no reference model."""
@@ -84,8 +88,10 @@ class CorrectionConfig(Section):
     """Off-policy (train/inference mismatch) correction of the policy-gradient term: TIS or MIS."""
 
     mode: CorrectionMode = "tis"
-    """`tis`: token weights exp(train_logp - rollout_logp) clamped to [tis_lower, tis_upper]. `mis`: the
-    masked/truncated importance sampling below. `none`: no weights (mismatch metrics are still reported)."""
+    """`tis`: token weights exp(train_logp - rollout_logp) clamped to [tis_lower, tis_upper], with train_logp the
+    proximal policy pi_old (the trainer's logprobs before the step's first update). `mis`: the masked/truncated
+    importance sampling below. `none`: no weights (mismatch metrics are still reported); required with
+    loss.old_logprobs `rollout`, whose PPO ratio already corrects for the rollout policy."""
 
     tis_lower: float = Field(default=0.0, ge=0)
     """TIS clamp lower bound (Miles default 0)."""
@@ -130,7 +136,8 @@ class CorrectionConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """AdamW and its learning-rate schedule (one scheduler step per optimizer step)."""
+    """AdamW and its learning-rate schedule (one scheduler step per trainer step, i.e. per published version,
+    whatever the number of optimizer steps in it)."""
 
     lr: float = Field(default=1e-6, gt=0)
     """Peak learning rate."""
@@ -148,7 +155,7 @@ class OptimizerConfig(Section):
     """Global gradient-norm clip; None disables clipping (the norm is still reported)."""
 
     warmup_steps: int = Field(default=0, ge=0)
-    """Linear warm-up from 0 to lr over this many steps."""
+    """Linear warm-up from 0 to lr over this many trainer steps."""
 
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warm-up: constant, linear decay or cosine decay to min_lr_ratio * lr at num_steps."""
@@ -172,14 +179,32 @@ class TrainConfig(Section):
     """async: largest accepted staleness = trainer version - oldest span version of a group."""
 
     batch_size_groups: int = Field(default=8, ge=1)
-    """Groups per optimizer step (the global batch); gradients of all micro-batches accumulate into one step."""
+    """Groups per trainer step (the global batch, one published weight version); with the defaults
+    (num_minibatches = ppo_epochs = 1) gradients of all its micro-batches accumulate into one optimizer step."""
+
+    num_minibatches: int = Field(default=1, ge=1)
+    """Minibatches a trainer step's batch is split into (samples split evenly, in order, after advantages are
+    computed on the whole batch); one optimizer step per minibatch and epoch, each normalised by its own
+    minibatch's token/sequence counts."""
+
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over the batch per trainer step. A trainer step runs ppo_epochs * num_minibatches optimizer steps
+    (minus those without signal) and advances the LR schedule once; pi_old and the TIS/MIS weights stay those
+    of the weights before its first update."""
+
+    dynamic_sampling: bool = True
+    """policy_gradient only (DAPO dynamic sampling): a group whose trainable samples all have the same reward
+    (fewer than two trainable samples included) carries no advantage; the trainer discards it (nack with
+    discard, reason `zero_signal`) and keeps pulling until the batch holds batch_size_groups informative groups.
+    Off: such groups are trained (their advantage is 0) and only counted."""
 
     micro_batch_max_tokens: int = Field(default=8192, ge=2)
     """Token budget of one micro-batch: sequences are packed (first-fit decreasing) up to this many tokens; a
     longer sequence runs alone."""
 
     num_steps: int = Field(default=0, ge=0)
-    """Optimizer steps of the job (the trainer then reports FINISHED); 0 means run until stopped."""
+    """Trainer steps of the job (one published weight version each; the trainer then reports FINISHED); 0 means
+    run until stopped. Steps skipped for lack of signal do not count."""
 
     checkpoint_interval_steps: int = Field(default=1, ge=1)
     """A durable checkpoint every this many steps (and at the last step and on Stop/Checkpoint). Pulled groups
@@ -219,6 +244,25 @@ class TrainConfig(Section):
         if self.correction.resolved_mis_lower > self.correction.mis_upper:
             raise ValueError("correction.mis_lower must be <= correction.mis_upper")
         return self
+
+    def recipe_problems(self) -> list[tuple[str, str]]:
+        """Semantic problems of a recipe whose fields are each valid: (field path from the job spec, why).
+
+        Not pydantic errors, so that the controller can answer a submission with the field (HTTP 400) and the
+        trainer can refuse the settings at start-up; empty when the recipe is consistent."""
+        problems: list[tuple[str, str]] = []
+        pg = self.loss.kind == "policy_gradient"
+        if pg and self.loss.old_logprobs == "rollout" and self.correction.mode != "none":
+            problems.append(
+                (
+                    "train.correction.mode",
+                    f"train.loss.old_logprobs 'rollout' makes the PPO ratio pi_theta / mu (rollout logprobs), which "
+                    f"already corrects for the behaviour policy; train.correction.mode '{self.correction.mode}' "
+                    "would multiply by pi_old / mu again (the mismatch corrected twice). Use correction.mode 'none' "
+                    "with old_logprobs 'rollout', or old_logprobs 'train' (decoupled PPO) with tis/mis.",
+                )
+            )
+        return problems
 
     @property
     def effective_max_staleness(self) -> int:

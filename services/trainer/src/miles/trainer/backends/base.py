@@ -61,7 +61,12 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def step(self, grad_clip_norm: float | None) -> float:
-        """Clip gradients, take one optimizer and one scheduler step; returns the pre-clip global grad norm."""
+        """Clip gradients and take one optimizer step (not a scheduler step); returns the pre-clip global grad
+        norm."""
+
+    @abc.abstractmethod
+    def advance_schedule(self) -> None:
+        """One scheduler step: once per trainer step, however many optimizer steps it took."""
 
     @abc.abstractmethod
     def learning_rate(self) -> float: ...
@@ -84,7 +89,8 @@ class TrainBackend(abc.ABC):
 
 
 def lr_multiplier(step: int, config: OptimizerConfig, num_steps: int) -> float:
-    """Learning-rate factor after `step` scheduler steps: linear warm-up, then constant/linear/cosine decay."""
+    """Learning-rate factor after `step` scheduler steps (trainer steps): linear warm-up, then
+    constant/linear/cosine decay."""
     if config.warmup_steps and step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     if config.schedule == "constant" or num_steps <= config.warmup_steps:

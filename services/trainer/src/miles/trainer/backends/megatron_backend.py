@@ -192,8 +192,10 @@ class MegatronBackend(TrainBackend):
     def step(self, grad_clip_norm: float | None) -> float:
         norm = global_grad_norm(self.model.parameters(), grad_clip_norm)
         self.optimizer.step()
-        self.scheduler.step()
         return norm
+
+    def advance_schedule(self) -> None:
+        self.scheduler.step()
 
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
