@@ -1,17 +1,22 @@
 """`make run`: the whole platform on this machine with the calculator tool-use demo job, end to end.
 
-    python scripts/demo.py [--spec examples/calculator_tool/job.yaml] [--home .miles] [--keep-up]
+    python scripts/demo.py [--spec examples/calculator_tool/job.yaml] [--home .miles] [--keep-up] [--seed N]
 
 1. builds the demo model (`examples/calculator_tool/warmup.py`: tiny Qwen3 architecture, small-vocabulary Qwen3
    tokenizer, a short supervised warm-up) at the spec's `model.path` when it is missing;
 2. `miles up` (unless a platform is already up under --home, which is then reused and left up);
 3. submits the job (fully-async GRPO) and follows it live until it ends;
-4. prints the reward per step and the final line
-   `demo reward_first=<a> reward_last=<b> steps=<n> staleness_mean=<s> prefix_hit=<h> tito_critical=<c>`,
-   where reward_first / reward_last are the mean rewards of the first / last three steps the controller reported;
-5. `miles down` (the platform it started is stopped; `--keep-up` leaves it running for `miles status` etc.).
+4. evaluates the model before and after training on held-out prompts (`examples/calculator_tool/eval.jsonl`: no
+   prompt of the training set), greedy, with the job's agent and reward (`miles eval`: one engine on the initial
+   model, then on the final checkpoint);
+5. prints the reward per step and the final line
+   `demo eval_before=<e0> eval_after=<e1> reward_first=<a> reward_last=<b> steps=<n> staleness_mean=<s>
+   prefix_hit=<h> tito_critical=<c>`, where reward_first / reward_last are the mean rewards of the first / last
+   three steps the controller reported (sampled, so noisier than the greedy evaluation);
+6. `miles down` (the platform it started is stopped; `--keep-up` leaves it running for `miles status` etc.).
 
-Exit status 0 when the job SUCCEEDED, the reward rose by at least --min-rise and tito_critical is 0; else 1.
+Exit status 0 when the job SUCCEEDED, the held-out greedy reward rose by at least --min-eval-rise, the training
+reward by at least --min-rise, and tito_critical is 0; else 1.
 """
 
 from __future__ import annotations
@@ -68,16 +73,49 @@ def edge_mean(rewards: dict[int, float], *, last: bool) -> float:
     return sum(rewards[s] for s in chosen) / max(1, len(chosen))
 
 
-def summary_line(watch: JobWatch, job: dict[str, Any]) -> str:
+def summary_line(watch: JobWatch, job: dict[str, Any], evals: tuple[float, float]) -> str:
     staleness = list(watch.staleness_by_step.values())
     prefix_hit = job.get("prefix_hit_rate")
     tito = job.get("tito_mismatches")
     return (
-        f"demo reward_first={edge_mean(watch.rewards_by_step, last=False):.3f} "
+        f"demo eval_before={evals[0]:.3f} eval_after={evals[1]:.3f} "
+        f"reward_first={edge_mean(watch.rewards_by_step, last=False):.3f} "
         f"reward_last={edge_mean(watch.rewards_by_step, last=True):.3f} steps={job.get('step', watch.step)} "
         f"staleness_mean={sum(staleness) / max(1, len(staleness)):.2f} "
         f"prefix_hit={0.0 if prefix_hit is None else prefix_hit:.3f} tito_critical={int(tito or 0)}"
     )
+
+
+def final_checkpoint_model(layout: Layout, job_id: str) -> Path:
+    """The `model/` directory of the job's newest checkpoint (the local backend keeps it in the job dir)."""
+    steps = sorted((layout.controller_state_dir / "jobs" / job_id / "checkpoints").glob("step-*"))
+    if not steps or not (steps[-1] / "model").is_dir():
+        raise RuntimeError(f"job {job_id} left no checkpoint to evaluate")
+    return steps[-1] / "model"
+
+
+def evaluate(layout: Layout, spec: dict[str, Any], model_dir: Path, eval_path: Path, what: str) -> float:
+    import asyncio
+
+    from miles.common.jobspec.job import JobSpec
+    from miles.controller.cli_eval import evaluate_model, platform_endpoints
+
+    started = time.monotonic()
+    with console.status(f"evaluating the {what} model on {eval_path.name}"):
+        result = asyncio.run(
+            evaluate_model(
+                platform_endpoints(layout),
+                JobSpec.model_validate(spec),
+                model_dir,
+                log_dir=layout.log_dir,
+                dataset_path=str(eval_path),
+            )
+        )
+    console.print(
+        f"eval {what}: mean greedy reward {result.mean_reward:.3f} over {result.num_prompts} held-out prompts "
+        f"({time.monotonic() - started:.0f}s; {result.reasons})"
+    )
+    return float(result.mean_reward)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,10 +124,14 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(spec["model"]["path"])
     model_path = model_path if model_path.is_absolute() else REPO_ROOT / model_path
     spec["model"]["path"] = str(model_path)  # the per-job processes need not share our working directory
+    if args.seed is not None:
+        spec["train"]["seed"] = args.seed
+        spec["rollout"]["dataset"]["seed"] = args.seed
     ensure_model(model_path)
     layout = Layout(args.home)
     started_platform = ensure_platform(layout)
     try:
+        eval_before = evaluate(layout, spec, model_path, args.eval, "initial")
         with controller_client(args.home, None) as client:
             response = client.post("/v1/jobs", json=spec)
             if response.status_code != 201:
@@ -103,11 +145,13 @@ def run(args: argparse.Namespace) -> int:
         if job["state"] != "SUCCEEDED":
             console.print(f"[red]job {job['job_id']} {job['state']}[/]: {job.get('errors')}")
             return 1
-        line = summary_line(watch, job)
+        eval_after = evaluate(layout, spec, final_checkpoint_model(layout, job["job_id"]), args.eval, "trained")
+        line = summary_line(watch, job, (eval_before, eval_after))
         rise = edge_mean(watch.rewards_by_step, last=True) - edge_mean(watch.rewards_by_step, last=False)
         console.print(f"wall time {time.monotonic() - started:.0f}s")
         print(line, flush=True)
-        return 0 if rise >= args.min_rise and "tito_critical=0" in line else 1
+        learned = eval_after - eval_before >= args.min_eval_rise and rise >= args.min_rise
+        return 0 if learned and "tito_critical=0" in line else 1
     finally:
         if started_platform and not args.keep_up:
             stopped = stop_platform(layout)
@@ -123,7 +167,10 @@ def main() -> None:
     parser.add_argument("--spec", type=Path, default=REPO_ROOT / "examples/calculator_tool/job.yaml")
     parser.add_argument("--home", type=Path, default=REPO_ROOT / ".miles")
     parser.add_argument("--keep-up", action="store_true", help="leave the platform running afterwards")
-    parser.add_argument("--min-rise", type=float, default=0.2, help="reward_last - reward_first needed to pass")
+    parser.add_argument("--eval", type=Path, default=REPO_ROOT / "examples/calculator_tool/eval.jsonl")
+    parser.add_argument("--min-eval-rise", type=float, default=0.2, help="eval_after - eval_before needed to pass")
+    parser.add_argument("--min-rise", type=float, default=0.1, help="reward_last - reward_first needed to pass")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed and the dataset order (default: spec's)")
     sys.exit(run(parser.parse_args()))
 
 

@@ -75,3 +75,14 @@ async def version_bump_agent(
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
     await _ask(base_url, metadata["api_key"], messages, request_kwargs)
     return {"reward": 1.0}
+
+
+async def token_parity_reward(prompt: dict[str, Any], samples: list[Any], agent_result: dict[str, Any]) -> float:
+    """1.0 when the sum of the episode's generated token ids is odd, else 0.0: a reward that any model — the fake
+    one, a random tiny one — earns about half of the time, so groups carry a learning signal (dynamic sampling
+    discards groups whose rewards are all equal) and every step changes the weights."""
+    total = 0
+    for sample in samples:
+        response = sample.tokens[sample.response_start :]
+        total += sum(token for token, mask in zip(response, sample.loss_mask, strict=True) if mask)
+    return float(total % 2)

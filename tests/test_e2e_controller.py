@@ -162,7 +162,11 @@ def job_body(stack: Any, name: str, num_steps: int) -> dict[str, Any]:
     rollout = {
         "dataset": {"path": "examples/math_single_turn/data.jsonl", "num_epochs": 100},
         "agent": {"function": "math_single_turn.agent:agent", "python_path": ["examples"]},
-        "reward": {"type": "numeric"},
+        "reward": {
+            "type": "function",
+            "function": "e2e_rollout_agents:token_parity_reward",
+            "python_path": [str(REPO_ROOT / "tests")],
+        },
         "n_samples_per_prompt": 2,
         "request_kwargs": {"temperature": 1.0, "max_tokens": 8},
         "concurrency": {"max_live_episodes": 4},

@@ -80,6 +80,22 @@ async def test_invalid_job_spec_is_422_naming_the_field(
         assert (await client.get("/v1/jobs")).json()["jobs"] == []
 
 
+async def test_a_correction_applied_twice_is_400_naming_the_fields(redis_url: str, controller_kit: Any) -> None:
+    """old_logprobs = rollout makes the PPO ratio pi/mu already; TIS or MIS on top would weight by pi_old/mu again."""
+    kit = controller_kit
+    async with kit.running(kit.make_settings(redis_url), kit.FakeBackend()) as client:
+        body = kit.job_spec_body()
+        for mode in ("tis", "mis"):
+            train = {**body["train"], "loss": {"old_logprobs": "rollout"}, "correction": {"mode": mode}}
+            response = await client.post("/v1/jobs", json={**body, "train": train})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["field"] == "train.correction.mode"
+            assert "old_logprobs" in error["message"] and "twice" in error["message"]
+        train = {**body["train"], "loss": {"old_logprobs": "rollout"}, "correction": {"mode": "none"}}
+        assert (await client.post("/v1/jobs", json={**body, "train": train})).status_code == 201
+
+
 async def test_idempotency_key_replays_the_same_job_and_refuses_another_body(
     redis_url: str, controller_kit: Any
 ) -> None:

@@ -80,6 +80,17 @@ def test_demo_final_line_averages_the_first_and_last_three_steps() -> None:
     watch.rewards_by_step = {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.5, 5: 0.7}
     watch.staleness_by_step = {1: 0.0, 2: 1.0}
     job = {"step": 5, "prefix_hit_rate": 0.875, "tito_mismatches": 0}
-    assert demo.summary_line(watch, job) == (
-        "demo reward_first=0.200 reward_last=0.500 steps=5 staleness_mean=0.50 prefix_hit=0.875 tito_critical=0"
+    assert demo.summary_line(watch, job, (0.125, 0.5)) == (
+        "demo eval_before=0.125 eval_after=0.500 reward_first=0.200 reward_last=0.500 steps=5 staleness_mean=0.50 "
+        "prefix_hit=0.875 tito_critical=0"
     )
+
+
+def test_held_out_prompts_share_no_expression_with_the_training_set() -> None:
+    def expressions(name: str) -> list[str]:
+        lines = (EXAMPLES / "calculator_tool" / name).read_text().splitlines()
+        return [json.loads(line)["expression"] for line in lines if line.strip()]
+
+    held_out = expressions("eval.jsonl")
+    assert len(held_out) == len(set(held_out)) >= 40
+    assert not set(held_out) & set(expressions("data.jsonl"))

@@ -174,7 +174,13 @@ def job_spec(model: Path, **overrides: Any) -> JobSpec:
     rollout = {
         "dataset": {"path": str(REPO_ROOT / "examples/math_single_turn/data.jsonl"), "num_epochs": 100},
         "agent": {"function": "math_single_turn.agent:agent", "python_path": [str(REPO_ROOT / "examples")]},
-        "reward": {"type": "numeric"},
+        # A reward with variance whatever the (fake) model answers: all-equal groups carry no signal and the
+        # trainer's dynamic sampling would wait for informative ones forever.
+        "reward": {
+            "type": "function",
+            "function": "e2e_rollout_agents:token_parity_reward",
+            "python_path": [str(REPO_ROOT / "tests")],
+        },
         "n_samples_per_prompt": 2,
         "request_kwargs": {"temperature": 1.0, "max_tokens": 8},
         "concurrency": {"max_live_episodes": 4},

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from miles.common.jobspec.job import JobSpec
+from miles.controller.health import job_health, policy_reward
 from miles.controller.jobs import JobRecord, JobState
 
 
@@ -15,6 +17,22 @@ class PoolView(BaseModel):
 
     desired: int
     live: int | None = None
+
+
+class HealthView(BaseModel):
+    """Training health (miles.controller.health): the reward trend, the statistics that announce a collapse, and
+    what looks wrong."""
+
+    reward_first: float | None = Field(default=None, description="Mean reward of the first 3 observed steps")
+    reward_last: float | None = Field(default=None, description="Mean reward of the last 3 observed steps")
+    entropy: float | None = Field(default=None, description="Policy entropy on its sampled tokens, last step")
+    grad_norm: float | None = Field(default=None, description="Gradient norm before clipping, last step")
+    logprob_diff: float | None = Field(default=None, description="Mean |train - rollout| logprob, last step")
+    zero_signal_fraction: float | None = Field(
+        default=None, description="Share of the groups pulled for the last step whose rewards were all equal"
+    )
+    clip_fraction: float | None = Field(default=None, description="Share of tokens the PPO clip acted on, last step")
+    warnings: list[str] = Field(default_factory=list, description="What looks wrong (empty: healthy)")
 
 
 class JobView(BaseModel):
@@ -31,7 +49,9 @@ class JobView(BaseModel):
     step: int = Field(description="Optimizer steps the trainer completed")
     num_steps: int = Field(description="Steps after which the job succeeds (train.num_steps)")
     weight_version: int = Field(description="Latest weight version the trainer published")
-    reward: float | None = Field(default=None, description="Mean reward of the trainer's last step")
+    reward: float | None = Field(
+        default=None, description="Mean reward of the policy at the trainer's last step (every valid group pulled)"
+    )
     staleness: float | None = Field(default=None, description="Mean staleness (versions) of the last step's groups")
     prefix_hit_rate: float | None = Field(default=None, description="Cached / prompt tokens of the job's engines")
     tito_mismatches: float | None = Field(
@@ -40,6 +60,7 @@ class JobView(BaseModel):
     errors: list[str] = Field(description="Latest problems, newest last")
     pools: dict[str, PoolView] = Field(description="engines, rollout_workers, trainer")
     metrics: dict[str, float] = Field(description="Every per-job metric the controller read (trainer, router)")
+    health: HealthView = Field(description="Reward trend and collapse indicators")
     spec: JobSpec
 
     @classmethod
@@ -63,13 +84,14 @@ class JobView(BaseModel):
             step=record.step,
             num_steps=record.spec.train.num_steps,
             weight_version=record.weight_version,
-            reward=metrics.get("reward_mean"),
+            reward=policy_reward(metrics),
             staleness=metrics.get("staleness_mean"),
             prefix_hit_rate=metrics.get("prefix_hit_rate"),
             tito_mismatches=metrics.get("tito_critical_episodes"),
             errors=record.errors,
             pools={name: PoolView(desired=size, live=record.pools.get(name)) for name, size in desired.items()},
             metrics=metrics,
+            health=HealthView(**asdict(job_health(metrics, record.rewards))),
             spec=record.spec,
         )
 

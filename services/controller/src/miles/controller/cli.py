@@ -7,6 +7,7 @@
     miles jobs                    list jobs
     miles logs SERVICE [-f]       a shared service's log, or a job's process log (`miles logs JOB_ID [PROCESS]`)
     miles cancel JOB_ID           cancel a job
+    miles eval SPEC --model DIR   greedy reward of a model on held-out prompts with the spec's agent and reward
 
 The controller is found from `<home>/run/platform.json` (written by `miles up`), or `--url` /
 `MILES_CONTROLLER_URL`; `MILES_API_TOKEN` is sent as the bearer token when set. `<home>` is `--home` or
@@ -153,6 +154,8 @@ def status(home: HomeOption = DEFAULT_HOME, url: UrlOption = None) -> None:
         raise typer.Exit(1) from None
     active = [j for j in jobs if j["state"] in ACTIVE_STATES]
     console.print(_jobs_table(active, title="active jobs") if active else "no active jobs")
+    for job in active:
+        console.print(health_line(job))
 
 
 @app.command()
@@ -222,6 +225,29 @@ def follow_job(client: httpx.Client, job_id: str, *, num_steps: int = 0) -> JobW
             watch.apply(event)
             view.update(watch.render())
     return watch
+
+
+@app.command(name="eval")
+def eval_model(
+    spec_path: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON): its agent, reward and model family")],
+    model: Annotated[Path, typer.Option(help="Model directory: the initial model or a checkpoint's model/")],
+    home: HomeOption = DEFAULT_HOME,
+    dataset: str | None = typer.Option(None, help="Prompts to evaluate on (default: the spec's dataset)"),
+    limit: int | None = typer.Option(None, help="Evaluate only the first N prompts"),
+) -> None:
+    """Greedy reward of a model on a dataset with a job spec's agent and reward (on the platform of miles up)."""
+    import asyncio
+
+    from miles.common.jobspec.job import JobSpec
+    from miles.controller.cli_eval import evaluate_model, platform_endpoints
+
+    layout = Layout(home)
+    spec = JobSpec.model_validate(load_spec(spec_path))
+    endpoints = platform_endpoints(layout)
+    result = asyncio.run(
+        evaluate_model(endpoints, spec, model.resolve(), log_dir=layout.log_dir, dataset_path=dataset, limit=limit)
+    )
+    console.print(f"eval mean_reward={result.mean_reward:.3f} prompts={result.num_prompts} reasons={result.reasons}")
 
 
 @app.command()
@@ -297,6 +323,25 @@ def _jobs_table(records: list[dict[str, Any]], *, title: str) -> Table:
             _fmt(job.get("prefix_hit_rate")),
         )
     return table
+
+
+def health_line(job: dict[str, Any]) -> str:
+    """One line per job: reward trend, entropy, grad norm, train/rollout logprob gap, zero-signal and clip
+    fractions, then the warnings (miles.controller.health)."""
+    health = job.get("health") or {}
+
+    def value(key: str, spec: str) -> str:
+        number = health.get(key)
+        return "-" if number is None else format(number, spec)
+
+    line = (
+        f"{job['job_id']} health: reward {value('reward_first', '.2f')} -> {value('reward_last', '.2f')}, "
+        f"entropy {value('entropy', '.3f')}, grad_norm {value('grad_norm', '.2f')}, "
+        f"logprob_diff {value('logprob_diff', '.3f')}, zero_signal {value('zero_signal_fraction', '.0%')}, "
+        f"clip {value('clip_fraction', '.1%')}"
+    )
+    warnings = health.get("warnings") or []
+    return line + (" [red]" + "; ".join(warnings) + "[/]" if warnings else " [green]ok[/]")
 
 
 def _fmt(value: float | None) -> str:

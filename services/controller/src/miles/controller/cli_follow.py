@@ -23,6 +23,8 @@ from rich.console import Group, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from miles.controller.health import policy_reward
+
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
@@ -107,8 +109,9 @@ class JobWatch:
             self.weight_version = int(data.get("weight_version", self.weight_version))
             self.pools = {k: int(v) for k, v in (data.get("pools") or {}).items()}
             self.metrics = {k: float(v) for k, v in (data.get("metrics") or {}).items() if _is_number(v)}
-            if self.step > 0 and "reward_mean" in self.metrics:
-                self.rewards_by_step[self.step] = self.metrics["reward_mean"]
+            reward = policy_reward(self.metrics)
+            if self.step > 0 and reward is not None:
+                self.rewards_by_step[self.step] = reward
                 if "staleness_mean" in self.metrics:
                     self.staleness_by_step[self.step] = self.metrics["staleness_mean"]
             if self.state == "PENDING" and data.get("phase") == "running":
@@ -125,7 +128,7 @@ class JobWatch:
         m = self.metrics
         return (
             f"job {self.job_id} {self.state} step {self.step}/{self.num_steps or '?'} "
-            f"reward {_fmt(m.get('reward_mean'))} staleness {_fmt(m.get('staleness_mean'))} "
+            f"reward {_fmt(policy_reward(m))} staleness {_fmt(m.get('staleness_mean'))} "
             f"prefix_hit {_fmt(m.get('prefix_hit_rate'))} tokens/s {_fmt(m.get('tokens_per_second'), digits=0)}"
         )
 
@@ -136,7 +139,7 @@ class JobWatch:
         m = self.metrics
         table.add_row("job", f"{self.job_id}  [{_state_style(self.state)}]{self.state}[/]")
         table.add_row("step", f"{self.step}/{self.num_steps or '?'}  (weights v{self.weight_version})")
-        table.add_row("reward", _fmt(m.get("reward_mean")))
+        table.add_row("reward", _fmt(policy_reward(m)))
         table.add_row("staleness", _fmt(m.get("staleness_mean")) + " versions")
         table.add_row("prefix hit rate", _fmt(m.get("prefix_hit_rate")))
         table.add_row("tokens/s", _fmt(m.get("tokens_per_second"), digits=0) + " (trainer)")

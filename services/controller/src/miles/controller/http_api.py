@@ -83,7 +83,11 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         response_model=JobView,
         responses={
             200: {"model": JobView, "description": "Replay: the job an earlier request with this key made"},
-            400: {"description": "A valid spec this controller's backend cannot run (e.g. resources.engines.kind)"},
+            400: {
+                "description": "A spec whose fields are valid one by one but not together (e.g. an off-policy "
+                "correction applied twice: train.correction.mode), or that this controller's backend cannot run "
+                "(e.g. resources.engines.kind); `field` names it"
+            },
         },
         summary="Submit a job",
     )

@@ -85,6 +85,8 @@ class JobRecord:
     pools: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    """Mean reward of each step the controller observed, oldest first (health.py)."""
 
     @property
     def spec_json(self) -> str:
@@ -108,6 +110,7 @@ class JobRecord:
             "pools": json.dumps(self.pools),
             "metrics": json.dumps(self.metrics),
             "errors": json.dumps(self.errors),
+            "rewards": json.dumps(self.rewards),
         }
 
     @classmethod
@@ -131,6 +134,7 @@ class JobRecord:
             pools=_json_dict(data.get("pools")),
             metrics=_json_dict(data.get("metrics")),
             errors=list(json.loads(data.get("errors") or "[]")),
+            rewards=[float(r) for r in json.loads(data.get("rewards") or "[]")],
         )
 
 

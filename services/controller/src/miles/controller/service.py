@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from miles.common.errors import MilesError
+from miles.common.errors import InvalidArgumentError, MilesError
 from miles.common.jobspec.job import JobSpec
 from miles.controller.api_models import ResizeRequest
 from miles.controller.errors import JobNotFoundError, JobStateConflictError
@@ -40,6 +40,8 @@ class JobService:
     async def submit(self, spec: JobSpec, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Store a new PENDING job; returns (job, created). With an idempotency key already used for the same
         spec, returns that job and created=False."""
+        for field, why in spec.train.recipe_problems():  # semantic: pydantic accepted each field on its own
+            raise InvalidArgumentError(why, field=field)
         await self.supervisor.backend.check_spec(spec)
         now = time.time()
         record = JobRecord(job_id=new_job_id(), spec=spec, state=JobState.PENDING, created_at_s=now, updated_at_s=now)

@@ -27,6 +27,7 @@ from miles.common.aio import wait_event
 from miles.common.errors import MilesError
 from miles.controller.backends.base import JobBackend, JobProgress
 from miles.controller.errors import IllegalTransitionError, JobNotFoundError
+from miles.controller.health import MAX_REWARDS_KEPT, policy_reward
 from miles.controller.jobs import MAX_ERRORS_KEPT, JobRecord, JobState
 from miles.controller.metrics import ControllerMetrics
 from miles.controller.settings import ControllerSettings
@@ -224,6 +225,9 @@ class Supervisor:
             "pools": _json(progress.pools),
             "metrics": _json(metrics),
         }
+        reward = policy_reward(progress.metrics)
+        if progress.step > record.step and reward is not None:
+            fields["rewards"] = _json([*record.rewards, reward][-MAX_REWARDS_KEPT:])
         seen = (progress.phase, progress.step, progress.weight_version, tuple(sorted(progress.pools.items())))
         event: dict[str, Any] | None = None
         if seen != loop.last_seen:

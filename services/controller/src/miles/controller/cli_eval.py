@@ -1,0 +1,143 @@
+"""`miles eval`: the greedy reward of a model directory on a dataset, with a job spec's agent and reward, on the
+platform `miles up` started (its router, session server and sandbox gateway).
+
+For one evaluation: a `miles-engine` process on the model directory (the initial model, or a trainer checkpoint's
+`model/` directory) joins a router pool of its own, the session server gets a job config naming that pool, and
+`miles.rollout.evaluate` runs one greedy episode per prompt (the spec's rollout section; `dataset` replaces its
+dataset file); then the pool, the job config and the engine go away. `make run` evaluates the demo model before
+and after training on held-out prompts with it.
+
+Limits: the local platform only (the engine runs on this machine); one engine per evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.local_layout import console_script
+from miles.controller.backends.local_pool import RouterPool
+from miles.controller.cli_platform import Layout, PlatformError, free_port, load_state
+
+if TYPE_CHECKING:
+    from miles.rollout.evaluate import EvalResult
+
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class PlatformEndpoints:
+    """What an evaluation needs of the running platform."""
+
+    router_url: str
+    session_url: str
+    operator_token: str
+    sandbox_address: str
+    sandbox_http_url: str
+
+
+def platform_endpoints(layout: Layout) -> PlatformEndpoints:
+    state = load_state(layout)
+    if state is None:
+        raise PlatformError(f"no platform under {layout.home} (miles up)")
+    services = state.services
+    sandbox = services.get("sandbox")
+    return PlatformEndpoints(
+        router_url=services["router"].url,
+        session_url=services["session"].url,
+        operator_token=(layout.run_dir / "operator-token").read_text().strip(),
+        sandbox_address=sandbox.url if sandbox is not None else "",
+        sandbox_http_url=sandbox.ready_url.removesuffix("/readyz") if sandbox is not None else "",
+    )
+
+
+@contextlib.contextmanager
+def engine_process(model_dir: Path, log_path: Path) -> Iterator[str]:
+    """A miles-engine on `model_dir` (its URL while the block runs; stopped after)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [console_script("miles-engine"), "--model-path", str(model_dir), "--port", str(port)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _ready(f"{url}/readyz"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise PlatformError(f"the evaluation engine did not start; see {log_path}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def evaluate_model(
+    endpoints: PlatformEndpoints,
+    spec: JobSpec,
+    model_dir: Path,
+    *,
+    log_dir: Path,
+    dataset_path: str | None = None,
+    limit: int | None = None,
+) -> EvalResult:
+    """The EvalResult (miles.rollout.evaluate) of `model_dir` on the spec's (or `dataset_path`'s) prompts."""
+    from miles.rollout.evaluate import evaluate
+
+    job_id = f"eval-{uuid.uuid4().hex[:10]}"
+    rollout = spec.rollout
+    if dataset_path is not None:
+        rollout = rollout.model_copy(update={"dataset": rollout.dataset.model_copy(update={"path": dataset_path})})
+    config = {
+        "model_path": str(model_dir),
+        "model_family": spec.model.family,
+        "engine_pool": job_id,
+        "chat_template_kwargs": spec.model.chat_template_kwargs,
+    }
+    headers = {"authorization": f"Bearer {endpoints.operator_token}"}
+    session_config = f"{endpoints.session_url.rstrip('/')}/v1/jobs/{job_id}/config"
+    pool = RouterPool(endpoints.router_url)
+    with engine_process(model_dir, log_dir / f"{job_id}-engine.log") as engine_url:
+        try:
+            if not await pool.register(job_id, engine_url):
+                raise PlatformError(f"the router refused the evaluation engine {engine_url}")
+            async with httpx.AsyncClient(timeout=60.0) as http:
+                (await http.put(session_config, json=config, headers=headers)).raise_for_status()
+                try:
+                    return await evaluate(
+                        rollout,
+                        job_id=job_id,
+                        session_url=endpoints.session_url,
+                        operator_token=endpoints.operator_token,
+                        sandbox_http_url=endpoints.sandbox_http_url,
+                        sandbox_address=endpoints.sandbox_address,
+                        limit=limit,
+                    )
+                finally:
+                    await http.delete(session_config, headers=headers)
+        finally:
+            await pool.deregister(job_id, engine_url)
+            await pool.close()
