@@ -50,12 +50,15 @@ async def serve_async(
     grace_s: float = 10.0,
     on_started: Callable[[int | None, int | None], None] | None = None,
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+    on_stopping: Sequence[Callable[[], None]] = (),
     stop_event: asyncio.Event | None = None,
     handle_signals: bool = True,
 ) -> None:
     """Serve until a stop signal (or `stop_event` is set, for embedding and tests).
 
-    `on_started(http_port, grpc_port)` runs once both are listening.
+    `on_started(http_port, grpc_port)` runs once both are listening. `on_stopping` callbacks run first when the
+    stop comes, before the servers wait `grace_s` for in-flight calls: a service wakes its long-polls there, so
+    that they answer at once instead of holding the shutdown for the whole grace. `on_shutdown` runs last.
     """
     stop = stop_event or asyncio.Event()
     if handle_signals:
@@ -88,6 +91,8 @@ async def serve_async(
         waiters.append(http_task)
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down", extra={"grace_s": grace_s})
+    for wake in on_stopping:
+        wake()
     if grpc_server is not None:
         await grpc_server.stop(grace_s)
     if http_server is not None and http_task is not None:

@@ -57,6 +57,10 @@ class _Signals:
         if event is not None:
             event.set()
 
+    def notify_all(self) -> None:
+        for job_id in list(self._events):
+            self.notify(job_id)
+
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
     await wait_event(event, timeout_s)
@@ -72,6 +76,14 @@ class Buffer:
         self._groups_added = _Signals()
         self._room_freed = _Signals()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    def stop_waiting(self) -> None:
+        """Shutting down: every long-poll answers now (pulls with what they have, pushes waiting for room with
+        BufferFullError, retryable) instead of holding the shutdown until its deadline."""
+        self._stopping = True
+        self._groups_added.notify_all()
+        self._room_freed.notify_all()
 
     async def configure_job(self, job_id: str, config: JobConfig) -> JobConfig:
         check_job_id(job_id)
@@ -128,7 +140,7 @@ class Buffer:
                 )
             except CapacityReachedError:
                 remaining_s = deadline - loop.time()
-                if remaining_s <= 0:
+                if remaining_s <= 0 or self._stopping:
                     self.metrics.on_push_full(job_id)
                     raise BufferFullError(
                         f"job {job_id!r} is at capacity; retry after the trainer acks groups",
@@ -172,7 +184,7 @@ class Buffer:
         while True:
             added = self._groups_added.event(job_id)
             remaining_s = deadline - loop.time()
-            final = remaining_s <= 0
+            final = remaining_s <= 0 or self._stopping
             leased, attempt = await self.store.pull(
                 job_id,
                 num_groups=num_groups,

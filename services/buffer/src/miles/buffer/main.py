@@ -51,6 +51,7 @@ async def run(settings: BufferSettings) -> None:
         grpc_server=grpc_server,
         grace_s=settings.shutdown_grace_s,
         on_shutdown=[buffer.close],
+        on_stopping=[buffer.stop_waiting],
     )
 
 
