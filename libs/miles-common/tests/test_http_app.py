@@ -105,6 +105,29 @@ async def test_metrics_count_requests_by_route_template(client: tuple[httpx.Asyn
     assert 'route="/healthz"' not in exposition
 
 
+async def test_junk_methods_and_paths_do_not_grow_the_metrics(
+    client: tuple[httpx.AsyncClient, dict[str, bool]],
+) -> None:
+    """Label values stay bounded whatever clients send: invented methods count as `other`, unknown paths as the
+    `unmatched` route, so 2,000 junk requests add no series after the first few."""
+    http, _ = client
+
+    def series(exposition: str) -> set[str]:
+        return {line.split(" ")[0] for line in exposition.splitlines() if line.startswith("miles_demo_http_")}
+
+    await http.request("BREW", "/v1/items/warm-up")
+    await http.get("/nowhere/warm-up")
+    before = series((await http.get("/metrics")).text)
+    for index in range(1000):
+        await http.request(f"X{index}", f"/v1/items/{index}")
+        await http.request("GET", f"/junk/{index}/path")
+    after = series((await http.get("/metrics")).text)
+    assert after == before, sorted(after - before)[:10]
+    exposition = (await http.get("/metrics")).text
+    assert 'method="other"' in exposition and 'route="unmatched"' in exposition
+    assert "X999" not in exposition and "junk" not in exposition
+
+
 async def test_trace_context_crosses_a_real_http_hop(span_exporter: InMemorySpanExporter) -> None:
     port = free_port()
     started, stop = asyncio.Event(), asyncio.Event()

@@ -62,6 +62,15 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=422)
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Method label values; anything else a client sends is counted as `other` (labels must stay bounded: a client
+inventing methods must not grow /metrics)."""
+
+
+def method_label(method: str) -> str:
+    return method if method in HTTP_METHODS else "other"
+
+
 class _RequestContextMiddleware:
     """Pure ASGI middleware (streaming-safe): request id, server span, request metrics."""
 
@@ -97,21 +106,23 @@ class _RequestContextMiddleware:
 
         path = scope.get("path", "")
         with self.tracer.start_as_current_span(
-            f"{scope.get('method', 'GET')} {path}", context=extract_context(headers), kind=SpanKind.SERVER
+            f"{method_label(scope.get('method', 'GET'))} request",
+            context=extract_context(headers),
+            kind=SpanKind.SERVER,
         ) as span:
             try:
                 await self.app(scope, receive, send_with_request_id)
             finally:
                 route = getattr(scope.get("route"), "path", None) or "unmatched"
-                span.update_name(f"{scope.get('method', 'GET')} {route}")
-                span.set_attribute("http.method", scope.get("method", ""))
+                method = method_label(scope.get("method", ""))
+                span.update_name(f"{method} {route}")
+                span.set_attribute("http.method", method)
                 span.set_attribute("http.route", route)
                 span.set_attribute("http.status_code", status_code)
                 span.set_attribute("miles.request_id", request_id)
                 if status_code >= 500:
                     span.set_status(Status(StatusCode.ERROR))
                 if path not in _PROBE_PATHS:
-                    method = scope.get("method", "")
                     self.requests_total.labels(method, route, str(status_code)).inc()
                     self.request_duration_s.labels(method, route).observe(time.perf_counter() - start_s)
                 request_id_var.reset(token)
