@@ -41,6 +41,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+SERVER_KEEP_ALIVE_S = 75.0
+"""Idle keep-alive connections stay open this long (uvicorn's default is 5 s): longer than every miles client's
+pool keeps them (miles.common.http_client), so no client ever sends on a connection the server is closing."""
+
+
 async def serve_async(
     *,
     http_app: FastAPI | None,
@@ -72,7 +77,13 @@ async def serve_async(
     if http_app is not None:
         sock = bind_socket(http_host, http_port)
         bound_http_port = sock.getsockname()[1]
-        config = uvicorn.Config(http_app, log_config=None, access_log=False, timeout_graceful_shutdown=int(grace_s))
+        config = uvicorn.Config(
+            http_app,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=int(grace_s),
+            timeout_keep_alive=int(SERVER_KEEP_ALIVE_S),
+        )
         http_server = _EmbeddedUvicornServer(config)
         http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
         # uvicorn exposes start-up only as a flag, so poll it.

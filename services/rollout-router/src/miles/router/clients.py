@@ -21,13 +21,13 @@ import logging
 
 import httpx
 
-from miles.common.http_client import traced_async_client
+from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.router.engine import Engine
 from miles.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_EXPIRY_S = 2.0
+KEEPALIVE_EXPIRY_S = ENGINE_KEEPALIVE_EXPIRY_S
 
 
 class EngineClients:

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from miles.common.http_client import traced_async_client
+from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.weightsync.errors import EngineUnreachableError, EngineUpdateError
 
 
@@ -23,7 +23,10 @@ def _describe(response: httpx.Response) -> str:
 class _JsonHttp:
     def __init__(self, base_url: str, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = traced_async_client(base_url=self.base_url, timeout=timeout_s)
+        # Engines may be SGLang (uvicorn's 5 s keep-alive): idle connections go before the engine closes them.
+        self._client = traced_async_client(
+            base_url=self.base_url, timeout=timeout_s, keepalive_expiry_s=ENGINE_KEEPALIVE_EXPIRY_S
+        )
 
     async def close(self) -> None:
         await self._client.aclose()
