@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
@@ -31,10 +32,8 @@ class _ClosesOnReuse:
         self.answered.append(head.split(b" ", 1)[0])
         writer.write(_OK)
         await writer.drain()
-        try:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
         writer.close()
 
 
