@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from miles.common.errors import MilesError, error_class_for_http_status
-from miles.common.http_client import traced_async_client
+from miles.common.http_client import CLIENT_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.proto.session.v1 import session_pb2
 from miles.rollout.errors import SampleAssemblyFailedError, SessionServerUnavailableError
 from miles.rollout.retry import RetryableError, retry_within
@@ -77,7 +77,9 @@ class SessionClient:
         self._http = traced_async_client(
             base_url=self.base_url,
             timeout=httpx.Timeout(request_timeout_s, connect=min(5.0, request_timeout_s)),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            limits=httpx.Limits(
+                max_connections=512, max_keepalive_connections=128, keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S
+            ),
             trust_env=False,
         )
 

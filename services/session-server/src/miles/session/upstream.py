@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from miles.common.http_client import traced_async_client
+from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.session.errors import (
     UpstreamConflictError,
     UpstreamMalformedError,
@@ -154,7 +154,13 @@ class EngineClient:
         self._client = traced_async_client(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # The upstream may be an engine or a router served with uvicorn's 5 s keep-alive: drop idle
+            # connections before it does.
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=ENGINE_KEEPALIVE_EXPIRY_S,
+            ),
         )
 
     async def close(self) -> None:

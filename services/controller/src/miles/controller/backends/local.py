@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from miles.common.errors import InvalidArgumentError
+from miles.common.http_client import traced_async_client
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends import local_layout as layout
 from miles.controller.backends.base import JobPhase, JobProgress, SharedServices
@@ -75,7 +76,7 @@ class LocalJobBackend:
         self.engine_drain_timeout_s = engine_drain_timeout_s
         self.table = ProcessTable(Path(cwd) if cwd is not None else Path.cwd())
         self.pool = RouterPool(shared.router_url)
-        self._http = httpx.AsyncClient(timeout=2.0)
+        self._http = traced_async_client(timeout=2.0)
         self._jobs: dict[str, LocalJob] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._monitors: dict[str, asyncio.Task[None]] = {}

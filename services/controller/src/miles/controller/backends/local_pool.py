@@ -11,6 +11,8 @@ import logging
 
 import httpx
 
+from miles.common.http_client import traced_async_client
+
 log = logging.getLogger(__name__)
 
 
@@ -19,7 +21,7 @@ class RouterPool:
 
     def __init__(self, router_url: str, *, timeout_s: float = 10.0) -> None:
         self.router_url = router_url.rstrip("/")
-        self._http = httpx.AsyncClient(timeout=timeout_s)
+        self._http = traced_async_client(timeout=timeout_s)
 
     @property
     def enabled(self) -> bool:
