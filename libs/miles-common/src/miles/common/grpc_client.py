@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from miles.common.auth import bearer_metadata
 from miles.common.errors import MilesError, error_class_for_grpc_status
 from miles.common.telemetry import inject_context
 
@@ -26,33 +27,40 @@ _DEFAULT_RETRY_POLICY = {
 }
 
 
-def _with_trace_metadata(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+def _with_metadata(
+    details: grpc.aio.ClientCallDetails, extra: tuple[tuple[str, str], ...]
+) -> grpc.aio.ClientCallDetails:
     carrier: dict[str, str] = {}
     inject_context(carrier)
-    if not carrier:
+    if not carrier and not extra:
         return details
-    metadata = list(details.metadata or ()) + list(carrier.items())
+    metadata = list(details.metadata or ()) + list(carrier.items()) + list(extra)
     return details._replace(metadata=grpc.aio.Metadata(*metadata))
 
 
-class _TraceUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _MetadataInterceptor:
+    def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
+        self.extra = extra
+
+
+class _TraceUnaryUnary(_MetadataInterceptor, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_trace_metadata(details), request)
+        return await continuation(_with_metadata(details, self.extra), request)
 
 
-class _TraceUnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _TraceUnaryStream(_MetadataInterceptor, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_trace_metadata(details), request)
+        return await continuation(_with_metadata(details, self.extra), request)
 
 
-class _TraceStreamUnary(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+class _TraceStreamUnary(_MetadataInterceptor, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(_with_trace_metadata(details), request_iterator)
+        return await continuation(_with_metadata(details, self.extra), request_iterator)
 
 
-class _TraceStreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+class _TraceStreamStream(_MetadataInterceptor, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(_with_trace_metadata(details), request_iterator)
+        return await continuation(_with_metadata(details, self.extra), request_iterator)
 
 
 def create_channel(
@@ -61,11 +69,14 @@ def create_channel(
     service_names: Sequence[str] = (),
     max_message_bytes: int = 256 * 1024 * 1024,
     retry_unavailable: bool = True,
+    bearer_token: str = "",
 ) -> grpc.aio.Channel:
-    """An insecure aio channel to `target` ("host:port") with tracing and, for `service_names`, retries.
+    """An insecure aio channel to `target` ("host:port") with tracing and, for `service_names`, retries; every call
+    carries `bearer_token` (when set) as `authorization` metadata (miles.common.auth).
 
     In-cluster traffic is plain gRPC; a service mesh or NetworkPolicies protect it (see the chart).
     """
+    extra = bearer_metadata(bearer_token)
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -80,7 +91,10 @@ def create_channel(
     return grpc.aio.insecure_channel(
         target,
         options=options,
-        interceptors=[_TraceUnaryUnary(), _TraceUnaryStream(), _TraceStreamUnary(), _TraceStreamStream()],
+        interceptors=[
+            interceptor(extra)
+            for interceptor in (_TraceUnaryUnary, _TraceUnaryStream, _TraceStreamUnary, _TraceStreamStream)
+        ],
     )
 
 

@@ -6,7 +6,9 @@ every RPC handler so that:
 - a span is started as a child of the caller's trace context (W3C `traceparent` in metadata),
 - a raised `MilesError` becomes its gRPC status with the message, plus trailing metadata
   `miles-error-type`, `miles-error-field` and `retry-after-s` for clients to map it back,
-- request counts and latency are recorded (`miles_<service>_grpc_requests_total{method,code}`, ...).
+- request counts and latency are recorded (`miles_<service>_grpc_requests_total{method,code}`, ...),
+- with `auth` (a `miles.common.auth.BearerAuth`), every call but health and reflection needs its bearer token in
+  metadata (UNAUTHENTICATED without one, PERMISSION_DENIED with another) before the handler runs.
 Limit: streaming-response handlers must be async generators (the `yield` style), not `context.write` style.
 """
 
@@ -23,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from miles.common.auth import BearerAuth
 from miles.common.errors import MilesError
 from miles.common.telemetry import Metrics, extract_context
 
@@ -39,7 +42,8 @@ def _error_metadata(error: MilesError) -> tuple[tuple[str, str], ...]:
 
 
 class _ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, auth: BearerAuth | None) -> None:
+        self.auth = auth
         self.tracer = trace.get_tracer("miles.common.grpc")
         self.requests_total = metrics.counter(
             "grpc_requests", "gRPC calls answered, by full method name and status code", ["method", "code"]
@@ -58,12 +62,15 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         method = details.method
         carrier = {key: value for key, value in (details.invocation_metadata or ()) if isinstance(value, str)}
+        auth = self.auth if self.auth is not None and self.auth.enabled else None
         if handler.unary_unary or handler.stream_unary:
             inner_unary = handler.unary_unary or handler.stream_unary
 
             async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 with self._observe(method, carrier, context):
                     try:
+                        if auth is not None:
+                            auth.check(carrier.get("authorization"))
                         return await inner_unary(request, context)
                     except MilesError as error:
                         await self._abort(context, error)
@@ -81,6 +88,8 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             with self._observe(method, carrier, context):
                 try:
+                    if auth is not None:
+                        auth.check(carrier.get("authorization"))
                     async for response in inner_stream(request, context):
                         yield response
                 except MilesError as error:
@@ -170,13 +179,14 @@ def build_grpc_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = 256 * 1024 * 1024,
+    auth: BearerAuth | None = None,
 ) -> GrpcServer:
     """An aio server with health, reflection and the miles interceptor; port 0 binds a free port.
 
     `service_names` are the full names (e.g. "miles.buffer.v1.BufferService") reported by health and reflection.
     """
     server = grpc.aio.server(
-        interceptors=[_ServerInterceptor(metrics)],
+        interceptors=[_ServerInterceptor(metrics, auth)],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -7,7 +7,6 @@ local callers (development only). /healthz, /readyz, /metrics and /openapi.json 
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,20 +14,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from miles.common.auth import is_loopback_host
 from miles.common.settings import ServiceSettings, service_config
 from miles.controller.backends.base import SharedServices
 
 MIN_API_TOKEN_CHARS = 16
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ControllerSettings(ServiceSettings):

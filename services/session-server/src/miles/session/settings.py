@@ -8,24 +8,14 @@ capability tokens are always enforced.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from miles.common.auth import is_loopback_host
 from miles.common.settings import ServiceSettings, service_config
 
 MIN_OPERATOR_TOKEN_CHARS = 32
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SessionSettings(ServiceSettings):
