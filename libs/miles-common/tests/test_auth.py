@@ -75,7 +75,7 @@ def test_job_capability_is_per_job_and_per_secret() -> None:
 def test_settings_rule() -> None:
     check_token_setting("", host="127.0.0.1", field="admin_token")
     check_token_setting(TOKEN, host="0.0.0.0", field="admin_token")
-    with pytest.raises(ValueError, match="required when host is '0.0.0.0'"):
+    with pytest.raises(ValueError, match=r"required when host is '0\.0\.0\.0'"):
         check_token_setting("", host="0.0.0.0", field="admin_token")
     with pytest.raises(ValueError, match=f"at least {MIN_TOKEN_CHARS}"):
         check_token_setting("short", host="127.0.0.1", field="admin_token")
@@ -119,6 +119,27 @@ async def test_grpc_calls_need_the_token(guarded_server: GrpcServer, token: str,
     assert unary.value.code() == code
     assert streaming.value.code() == code
     assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+
+
+async def test_grpc_auth_can_guard_only_some_methods() -> None:
+    server = build_grpc_server(
+        servicers=[(echo_pb2_grpc.add_EchoServiceServicer_to_server, _Echo())],
+        service_names=["miles.testing.v1.EchoService"],
+        metrics=Metrics("authgrpcsome"),
+        auth=BearerAuth([TOKEN], what="the echo service"),
+        auth_methods={"/miles.testing.v1.EchoService/EchoStream"},
+    )
+    await server.start()
+    try:
+        async with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = echo_pb2_grpc.EchoServiceStub(channel)
+            assert (await stub.Echo(echo_pb2.EchoRequest(message="open"))).message == "open"
+            with pytest.raises(grpc.aio.AioRpcError) as streaming:
+                async for _ in stub.EchoStream(echo_pb2.EchoStreamRequest(message="x", repeat=1)):
+                    pass
+        assert streaming.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(grace_s=1.0)
 
 
 async def test_grpc_call_with_the_token_passes(guarded_server: GrpcServer) -> None:

@@ -7,15 +7,16 @@ every RPC handler so that:
 - a raised `MilesError` becomes its gRPC status with the message, plus trailing metadata
   `miles-error-type`, `miles-error-field` and `retry-after-s` for clients to map it back,
 - request counts and latency are recorded (`miles_<service>_grpc_requests_total{method,code}`, ...),
-- with `auth` (a `miles.common.auth.BearerAuth`), every call but health and reflection needs its bearer token in
-  metadata (UNAUTHENTICATED without one, PERMISSION_DENIED with another) before the handler runs.
+- with `auth` (a `miles.common.auth.BearerAuth`), every call but health and reflection (or, with `auth_methods`,
+  only those full method names) needs its bearer token in metadata (UNAUTHENTICATED without one,
+  PERMISSION_DENIED with another) before the handler runs.
 Limit: streaming-response handlers must be async generators (the `yield` style), not `context.write` style.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,9 @@ def _error_metadata(error: MilesError) -> tuple[tuple[str, str], ...]:
 
 
 class _ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, metrics: Metrics, auth: BearerAuth | None) -> None:
+    def __init__(self, metrics: Metrics, auth: BearerAuth | None, auth_methods: Collection[str] | None) -> None:
         self.auth = auth
+        self.auth_methods = None if auth_methods is None else frozenset(auth_methods)
         self.tracer = trace.get_tracer("miles.common.grpc")
         self.requests_total = metrics.counter(
             "grpc_requests", "gRPC calls answered, by full method name and status code", ["method", "code"]
@@ -62,7 +64,8 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         method = details.method
         carrier = {key: value for key, value in (details.invocation_metadata or ()) if isinstance(value, str)}
-        auth = self.auth if self.auth is not None and self.auth.enabled else None
+        guarded = self.auth_methods is None or method in self.auth_methods
+        auth = self.auth if self.auth is not None and self.auth.enabled and guarded else None
         if handler.unary_unary or handler.stream_unary:
             inner_unary = handler.unary_unary or handler.stream_unary
 
@@ -180,13 +183,14 @@ def build_grpc_server(
     port: int = 0,
     max_message_bytes: int = 256 * 1024 * 1024,
     auth: BearerAuth | None = None,
+    auth_methods: Collection[str] | None = None,
 ) -> GrpcServer:
     """An aio server with health, reflection and the miles interceptor; port 0 binds a free port.
 
     `service_names` are the full names (e.g. "miles.buffer.v1.BufferService") reported by health and reflection.
     """
     server = grpc.aio.server(
-        interceptors=[_ServerInterceptor(metrics, auth)],
+        interceptors=[_ServerInterceptor(metrics, auth, auth_methods)],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
