@@ -111,7 +111,7 @@ async def test_history_and_context_limits(
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "prompt_too_long"
         assert (await client.post(url(sid), json={"messages": history}, headers=auth)).status_code == 200
         max_new = scripted_engine.requests[-1]["body"]["sampling_params"]["max_new_tokens"]
-        assert max_new == 120 - len(scripted_engine.requests[-1]["body"]["input_ids"])  # capped by the context
+        assert max_new == 120 - len(scripted_engine.requests[-1]["body"]["input_ids"]) - 1  # prompt + new < context
 
 
 UPSTREAM_FAILURES: list[tuple[str, Any, int, str]] = [

@@ -10,7 +10,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from miles.session.errors import SessionBusyError
-from miles.session.records import CommitOutcome, FinishType, ModelConfig, SessionMeta, TurnCommit, TurnRecord
+from miles.session.records import (
+    CommitOutcome,
+    FinishType,
+    IdempotencyRecord,
+    ModelConfig,
+    SessionMeta,
+    TurnCommit,
+    TurnRecord,
+)
 from miles.session.store_memory import MemoryStore
 from miles.session.store_redis import RedisStore
 
@@ -108,3 +116,39 @@ async def test_the_memory_store_lock_times_out_busy_and_is_free_after_a_cancelle
         with pytest.raises(asyncio.CancelledError):
             await waiter
     assert await store.commit("m1", commit(0, 0, [1, 2], 2)) is CommitOutcome.COMMITTED
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["redis", "memory"])
+async def test_an_idempotency_key_is_claimed_once_lives_with_its_session_and_rotation_replaces_the_token(
+    redis_url: str, backend: str
+) -> None:
+    store = make_store(redis_url) if backend == "redis" else MemoryStore(lock_wait_s=0.2)
+    claim = IdempotencyRecord("k" * 64, "s1", "b" * 64)
+    assert await store.create(meta("s1", ttl_s=0.6), claim) is None
+    assert await store.get_idempotency(claim.key_sha256) == claim
+    # A second create with the same key (a concurrent replay) creates nothing and gets the holder's record.
+    assert await store.create(meta("s2"), dataclasses.replace(claim, session_id="s2")) == claim
+    assert await store.get_meta("s2") is None
+    rotated = await store.rotate_token("s1", "new-hash")
+    assert rotated is not None and rotated.token_sha256 == "new-hash" and rotated.ttl_s == 0.6
+    assert (await store.get_meta("s1")) == rotated
+    assert await store.rotate_token("nope", "x") is None
+    # A commit restarts the key's expiry with the session's; then both expire together.
+    await asyncio.sleep(0.4)
+    assert (
+        await store.commit("s1", dataclasses.replace(commit(0, 0, [1, 2, 3], 2), ttl_s=0.6)) is CommitOutcome.COMMITTED
+    )
+    await asyncio.sleep(0.4)
+    assert await store.get_idempotency(claim.key_sha256) == claim
+    await asyncio.sleep(0.4)
+    assert await store.get_meta("s1") is None and await store.get_idempotency(claim.key_sha256) is None
+    # Deleting a session deletes its key: the key is free for a new session.
+    assert await store.create(meta("s3"), dataclasses.replace(claim, session_id="s3")) is None
+    assert await store.delete("s3")
+    assert await store.get_idempotency(claim.key_sha256) is None
+    if backend == "redis":
+        client = aioredis.Redis.from_url(redis_url)
+        assert await client.keys("t:idem:*") == []
+        await client.aclose()
+    await store.close()

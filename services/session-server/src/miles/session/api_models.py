@@ -14,12 +14,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from miles.session.records import SAMPLING_KEYS
 
 JOB_ID_PATTERN = r"^[^\s{}/]{1,200}$"
+MIN_TTL_S = 1.0
+"""Shortest ttl_s a session may ask for (its store keys expire with millisecond resolution)."""
+MAX_TOKENS_RULE = (
+    "Absent: the largest completion that fits, context - prompt - 1 tokens, capped by the job's max_new_tokens. "
+    "A larger value is clamped to that limit, never refused (reported in `miles.max_tokens_clamped_from` and the "
+    "X-Miles-Max-Tokens-Clamped-From header). max_tokens and max_completion_tokens are the same limit: when both "
+    "are given the smaller counts."
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_sampling_keys(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Known SGLang keys only; the two the server computes with are type-checked (the engine checks the rest)."""
     unknown = sorted(set(value or {}) - SAMPLING_KEYS)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(SAMPLING_KEYS)}")
+    max_new = (value or {}).get("max_new_tokens")
+    if max_new is not None and not (_is_int(max_new) and max_new >= 1):
+        raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new!r})")
+    stop_ids = (value or {}).get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(i) and i >= 0 for i in stop_ids)):
+        raise ValueError("stop_token_ids must be a list of token ids (integers >= 0)")
     return value
 
 
@@ -33,23 +52,44 @@ class JobConfigBody(BaseModel):
     engine_pool: str = Field(default="default", min_length=1, description="Sent as X-Miles-Pool")
     max_context_tokens: int | None = Field(default=None, ge=2, description="Default: config.json's")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    sampling_defaults: dict[str, Any] = Field(default_factory=dict, description="SGLang sampling_params")
+    sampling_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SGLang sampling_params; its max_new_tokens is the default of requests without max_tokens",
+    )
+    max_new_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="The most tokens one turn may generate: requests asking more (or nothing) are clamped to it. "
+        "Absent: only the context limits a completion",
+    )
+    split_special_tokens: bool = Field(
+        default=True,
+        description="Encode special/added token strings in user, system and tool messages and in the tool list as "
+        "plain text, so that typed or tool-returned `<|im_end|>` can never become a control token. Off: they are "
+        "encoded as the tokens they spell (the vendor templates' behaviour)",
+    )
 
     _sampling = field_validator("sampling_defaults")(check_sampling_keys)
 
 
 class CreateSessionRequest(BaseModel):
-    """POST /v1/sessions (every field optional; an empty body is fine)."""
+    """POST /v1/sessions: a JSON object, every field optional (`{}` takes every default; no body is a 422)."""
 
     model_config = ConfigDict(extra="forbid")
 
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     episode_id: str | None = Field(default=None, min_length=1, max_length=200)
-    model_family: str | None = Field(default=None, description="Overrides the job's TITO family")
+    model_family: str | None = Field(default=None, min_length=1, description="Overrides the job's TITO family")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Merged over the job's")
     sampling_defaults: dict[str, Any] | None = Field(default=None, description="Merged over the job's")
     metadata: dict[str, Any] | None = None
-    ttl_s: float | None = Field(default=None, gt=0, description="Idle expiry; default: the server's default_ttl_s")
+    ttl_s: float | None = Field(
+        default=None,
+        ge=MIN_TTL_S,
+        allow_inf_nan=False,
+        description="Idle expiry in seconds, at least 1 and at most the server's max_ttl_s; default: the "
+        "server's default_ttl_s",
+    )
 
     _sampling = field_validator("sampling_defaults")(check_sampling_keys)
 
@@ -57,7 +97,10 @@ class CreateSessionRequest(BaseModel):
 class CreateSessionResponse(BaseModel):
     session_id: str
     base_url: str = Field(description="OpenAI base URL for the agent: <server>/v1/sessions/<id>/v1")
-    token: str = Field(description="The session's capability token: the agent's api_key")
+    token: str = Field(
+        description="The session's capability token: the agent's api_key. An Idempotency-Key replay returns a new "
+        "one and the earlier token stops working"
+    )
     ttl_s: float
 
 
@@ -96,8 +139,10 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description=f"Most tokens to generate. {MAX_TOKENS_RULE}")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description=f"Most tokens to generate (OpenAI's newer name). {MAX_TOKENS_RULE}"
+    )
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     seed: int | None = None

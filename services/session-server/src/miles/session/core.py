@@ -1,9 +1,10 @@
 """SessionCore: the session-server without its web framework (the HTTP layer parses, calls this, maps errors).
 
 Owns: job model configs, session creation (model config resolved once: job config, else the server's default
-model, then the session's overrides), capability-token checks, the session view (GET), samples, deletion and the
-expiry reaper. A chat turn is `TurnRunner` (turns.py). Every piece of session state is in the store, so any
-replica can serve any request.
+model, then the session's overrides; idempotent with a key: a replay with the same body gets the same session and a
+rotated token, since only token hashes are kept), capability-token checks, the session view (GET), samples,
+deletion and the expiry reaper. A chat turn is `TurnRunner` (turns.py). Every piece of session state is in the
+store, so any replica can serve any request.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 import time
@@ -24,15 +26,18 @@ from miles.common.errors import ConfigError, MilesError
 from miles.session import samples_wire
 from miles.session.api_models import ChatCompletionRequest, CreateSessionRequest, JobConfigBody, SamplesRequest
 from miles.session.errors import (
+    IdempotencyKeyReusedError,
     InvalidJobConfigError,
     InvalidRequestError,
+    InvalidSessionRequestError,
     JobNotFoundError,
+    SessionBusyError,
     SessionNotFoundError,
     WrongTokenError,
 )
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry, SessionModel
-from miles.session.records import Json, ModelConfig, SessionMeta, SessionState, TurnRecord
+from miles.session.records import IdempotencyRecord, Json, ModelConfig, SessionMeta, SessionState, TurnRecord
 from miles.session.samples import SampleData, build_samples
 from miles.session.settings import SessionSettings
 from miles.session.store import SessionStore
@@ -46,11 +51,19 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def body_digest(request: CreateSessionRequest) -> str:
+    """SHA-256 of the parsed create body as canonical JSON (key order, spacing and explicit defaults ignored)."""
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class CreatedSession:
     session_id: str
     token: str
     ttl_s: float
+    replayed: bool = False
+    """An Idempotency-Key replay: the session already existed and `token` is its freshly rotated token."""
 
 
 class SessionCore:
@@ -130,7 +143,15 @@ class SessionCore:
             sampling_defaults={**config.sampling_defaults, **(request.sampling_defaults or {})},
         )
 
-    async def create(self, request: CreateSessionRequest) -> CreatedSession:
+    async def create(self, request: CreateSessionRequest, *, idempotency_key: str | None = None) -> CreatedSession:
+        """A new session; with `idempotency_key`, the key's session (same body) with a rotated token (see below)."""
+        claim = None
+        if idempotency_key is not None:
+            claim = IdempotencyRecord(token_digest(idempotency_key), "", body_digest(request))
+            held = await self.store.get_idempotency(claim.key_sha256)
+            replayed = await self._replay(held, claim) if held is not None else None
+            if replayed is not None:
+                return replayed
         config = await self._resolve_model(request)
         try:
             get_family(config.model_family)
@@ -139,7 +160,8 @@ class SessionCore:
         await self.models.get(config)  # 400 for kwargs the family forbids; 503 when this replica cannot load it
         ttl_s = request.ttl_s or self.settings.default_ttl_s
         if ttl_s > self.settings.max_ttl_s:
-            raise InvalidRequestError(f"ttl_s must be at most {self.settings.max_ttl_s:g}", field="ttl_s")
+            message = f"ttl_s must be at most the server's max_ttl_s={self.settings.max_ttl_s:g} (got {ttl_s:g})"
+            raise InvalidSessionRequestError(message, field="ttl_s")
         session_id, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
         meta = SessionMeta(
             session_id=session_id,
@@ -151,9 +173,31 @@ class SessionCore:
             ttl_s=ttl_s,
             created_at_unix_ms=int(time.time() * 1000),
         )
-        await self.store.create(meta)
+        held = await self.store.create(meta, dataclasses.replace(claim, session_id=session_id) if claim else None)
+        if held is not None and claim is not None:  # a concurrent request with the same key created it first
+            replayed = await self._replay(held, claim)
+            if replayed is not None:
+                return replayed
+            raise SessionBusyError("the Idempotency-Key's session ended while this request ran; retry", retry_after_s=1)
         self.metrics.sessions_created.inc()
         return CreatedSession(session_id, token, ttl_s)
+
+    async def _replay(self, held: IdempotencyRecord, claim: IdempotencyRecord) -> CreatedSession | None:
+        """The held key's session with a new token (the server keeps only hashes: the first token cannot be given
+        again, so it is replaced and stops working); 422 for another body; None when the session just ended."""
+        if held.body_sha256 != claim.body_sha256:
+            raise IdempotencyKeyReusedError(
+                f"this Idempotency-Key created session {held.session_id} with a different body; send the same body "
+                "to get that session again, or use a new key for a new session",
+                field="Idempotency-Key",
+                details={"session_id": held.session_id},
+            )
+        token = secrets.token_urlsafe(32)
+        meta = await self.store.rotate_token(held.session_id, token_digest(token))
+        if meta is None:
+            return None
+        self.metrics.idempotent_replays.inc()
+        return CreatedSession(meta.session_id, token, meta.ttl_s, replayed=True)
 
     async def authorize(self, session_id: str, token: str, *, is_operator: bool) -> SessionMeta:
         """The session if `token` is its capability token (or the caller is the operator); 404 / 403 otherwise."""

@@ -61,6 +61,18 @@ class InvalidRequestError(InvalidArgumentError):
     code = "invalid_request"
 
 
+class InvalidSessionRequestError(UnprocessableError):
+    """A POST /v1/sessions body or header breaks the published schema (no body, ttl_s out of range, ...)."""
+
+    code = "invalid_session_request"
+
+
+class IdempotencyKeyReusedError(UnprocessableError):
+    """An Idempotency-Key came again with another body: a key stays bound to its first body while its session lives."""
+
+    code = "idempotency_key_reused"
+
+
 class RequestTooLargeError(InvalidArgumentError):
     """The request body is larger than max_body_bytes."""
 
@@ -136,9 +148,11 @@ class UpstreamMalformedError(UpstreamError):
 
 __all__ = [
     "ChatTemplateKwargConflictError",
+    "IdempotencyKeyReusedError",
     "InvalidJobConfigError",
     "InvalidMessageError",
     "InvalidRequestError",
+    "InvalidSessionRequestError",
     "InvalidToolCallArgumentsError",
     "JobNotFoundError",
     "MissingTokenError",

@@ -3,7 +3,10 @@
 Auth: session routes need `Authorization: Bearer <the session's capability token>` (the agent's OpenAI api_key)
 or the operator token; no token -> 401, another token -> 403, checked before anything is read or written.
 Operator routes (job configs, creating and listing sessions) need the operator token when one is configured.
-Bodies are parsed here: invalid JSON or fields -> 400 naming the field; larger than max_body_bytes -> 413.
+Bodies are parsed here: invalid JSON or fields, NaN / Infinity, lone surrogates -> 400 naming the field (422 for
+POST /v1/sessions, whose schema the OpenAPI states exactly); larger than max_body_bytes -> 413.
+`POST /v1/sessions` takes an optional `Idempotency-Key` header (see `SessionCore.create`): a replay answers 200 with
+`Idempotent-Replayed: true`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -19,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from miles.common.errors import MilesError
 from miles.common.http import create_http_app, error_response
 from miles.common.telemetry import Metrics
 from miles.session import openai_format, samples_wire
@@ -31,11 +36,21 @@ from miles.session.api_models import (
     SamplesRequest,
 )
 from miles.session.core import SessionCore
-from miles.session.errors import InvalidRequestError, MissingTokenError, RequestTooLargeError, WrongTokenError
+from miles.session.errors import (
+    InvalidRequestError,
+    InvalidSessionRequestError,
+    MissingTokenError,
+    RequestTooLargeError,
+    WrongTokenError,
+)
+from miles.session.tito.messages import first_json_path, lone_surrogate
 
 M = TypeVar("M", bound=BaseModel)
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
 MAX_JSON_DEPTH = 64
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+MAX_IDEMPOTENCY_KEY_CHARS = 255
 SessionId = Annotated[str, Path(min_length=1, max_length=128)]
 JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN)]
 
@@ -71,8 +86,12 @@ class BodyLimitMiddleware:
         return RequestTooLargeError(f"the request body is larger than max_body_bytes={self.max_bytes}")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # Python's json would accept NaN / Infinity; JSON does not
+def _not_json(value: Any) -> str | None:
+    """Why a parsed leaf is not JSON text or number: NaN / Infinity (Python's json reads the literals and turns
+    1e999 into inf; JSON has neither) or a lone surrogate."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"is {value}, which is not a JSON number; send a finite number"
+    return lone_surrogate(value)
 
 
 def _depth_exceeds(value: Any, limit: int) -> bool:
@@ -88,27 +107,35 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
-async def parse_body(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
-    """The body as `model`; InvalidRequestError (400) naming the problem otherwise."""
+async def parse_body(
+    request: Request, model: type[M], *, allow_empty: bool = False, error: type[MilesError] = InvalidRequestError
+) -> M:
+    """The body as `model`; `error` (InvalidRequestError, 400, by default) naming the problem otherwise. NaN,
+    Infinity and valid JSON that is not text (a lone UTF-16 surrogate anywhere) are refused here, naming the field."""
     raw = await request.body()
     if not raw.strip():
         if not allow_empty:
-            raise InvalidRequestError("the request body is empty; send a JSON object")
+            raise error("the request body is empty; send a JSON object", field="body")
         data: Any = {}
     else:
         try:
-            data = json.loads(raw, parse_constant=_reject_constant)
+            data = json.loads(raw, parse_constant=float)  # NaN / Infinity are refused below, naming the field
         except (ValueError, RecursionError) as exc:
-            raise InvalidRequestError(f"the request body is not valid JSON ({type(exc).__name__}: {exc})") from None
+            raise error(f"the request body is not valid JSON ({type(exc).__name__}: {exc})", field="body") from None
     if _depth_exceeds(data, MAX_JSON_DEPTH):
-        raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        raise error(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", field="body")
+    not_json = first_json_path(data, _not_json)
+    if not_json is not None:
+        raise error(f"{not_json[0]} {not_json[1]}", field=not_json[0])
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         problems = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
         first = problems[0]
-        raise InvalidRequestError(
-            f"{first['field'] or 'body'}: {first['message']}", field=first["field"], details={"errors": problems[:20]}
+        raise error(
+            f"{first['field'] or 'body'}: {first['message']}",
+            field=first["field"] or "body",
+            details={"errors": problems[:20]},
         ) from None
 
 
@@ -142,23 +169,70 @@ class Auth:
         return token, self.is_operator(token)
 
 
-def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
+def idempotency_key(request: Request) -> str | None:
+    """The Idempotency-Key header: 1-255 printable ASCII characters, or absent."""
+    key = request.headers.get(IDEMPOTENCY_KEY_HEADER)
+    if key is None:
+        return None
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not (key.isascii() and key.isprintable()):
+        raise InvalidSessionRequestError(
+            f"{IDEMPOTENCY_KEY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters (a UUID, say)",
+            field=IDEMPOTENCY_KEY_HEADER,
+        )
+    return key
+
+
+def create_session_openapi(max_ttl_s: float) -> dict[str, Any]:
+    """POST /v1/sessions in the OpenAPI: its body schema (ttl_s bounded by this server's max_ttl_s), the
+    Idempotency-Key header and the replay answer."""
+    extra = body_schema(CreateSessionRequest)
+    ttl = extra["requestBody"]["content"]["application/json"]["schema"]["properties"]["ttl_s"]
+    for option in ttl.get("anyOf", [ttl]):
+        if option.get("type") == "number":
+            option["maximum"] = max_ttl_s
+    extra["parameters"] = [
+        {
+            "name": IDEMPOTENCY_KEY_HEADER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS},
+            "description": "Makes the create retryable: a replay with the same key and body answers 200 with the "
+            "same session and a new token (the previous token stops working) and `Idempotent-Replayed: true`; "
+            "the same key with another body is a 422 `idempotency_key_reused`. A key lives as long as its session",
+        }
+    ]
+    extra["responses"] = {
+        "200": {
+            "description": "An Idempotency-Key replay: the key's session, its token rotated",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreateSessionResponse"}}},
+        }
+    }
+    return extra
+
+
+def _create_route(router: APIRouter, core: SessionCore, auth: Auth) -> None:
     @router.post(
         "/v1/sessions",
         status_code=201,
         response_model=CreateSessionResponse,
-        openapi_extra=body_schema(CreateSessionRequest),
+        openapi_extra=create_session_openapi(core.settings.max_ttl_s),
     )
-    async def create_session(request: Request) -> CreateSessionResponse:
+    async def create_session(request: Request, response: Response) -> CreateSessionResponse:
         auth.require_operator(request)
-        body = await parse_body(request, CreateSessionRequest, allow_empty=True)
-        created = await core.create(body)
+        key = idempotency_key(request)
+        body = await parse_body(request, CreateSessionRequest, error=InvalidSessionRequestError)
+        created = await core.create(body, idempotency_key=key)
+        if created.replayed:
+            response.status_code = 200
+            response.headers[REPLAYED_HEADER] = "true"
         base = (core.settings.public_base_url or str(request.base_url)).rstrip("/")
         base_url = f"{base}/v1/sessions/{created.session_id}/v1"
         return CreateSessionResponse(
             session_id=created.session_id, base_url=base_url, token=created.token, ttl_s=created.ttl_s
         )
 
+
+def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
     @router.get("/v1/sessions")
     async def list_sessions(
         request: Request, job_id: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
@@ -193,13 +267,14 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         meta = await core.authorize(session_id, token, is_operator=is_operator)
         body = await parse_body(request, ChatCompletionRequest)
         result = await core.chat(meta, body)
+        headers = openai_format.budget_headers(result)
         if not body.stream:
-            return JSONResponse(result)
+            return JSONResponse(result, headers=headers)
         events = openai_format.stream_events(result, include_usage=body.include_usage)
         return StreamingResponse(
             _iterate(events),
             media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
         )
 
     @router.get("/v1/sessions/{session_id}/v1/models")
@@ -268,6 +343,7 @@ def build_app(
     )
     auth = Auth(operator_token)
     router = APIRouter()
+    _create_route(router, core, auth)
     _session_routes(router, core, auth)
     _job_routes(router, core, auth)
     app.include_router(router)

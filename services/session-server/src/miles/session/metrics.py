@@ -37,6 +37,12 @@ class SessionMetrics:
         self.sessions_created = metrics.counter("sessions_created", "Sessions created")
         self.sessions_deleted = metrics.counter("sessions_deleted", "Sessions deleted by a client or operator")
         self.sessions_expired = metrics.counter("sessions_expired", "Sessions that expired after ttl_s idle")
+        self.idempotent_replays = metrics.counter(
+            "idempotent_replays", "POST /v1/sessions answered with an existing session (same Idempotency-Key and body)"
+        )
+        self.max_tokens_clamped = metrics.counter(
+            "max_tokens_clamped", "Turns whose max_tokens ask exceeded the completion limit and was clamped to it"
+        )
         self.samples = metrics.counter("samples", "Training samples returned, by status", ["status"])
         self.tito: TitoMetrics = register_tito_metrics(metrics)
         for result in TURN_RESULTS:

@@ -116,7 +116,7 @@ class ModelRegistry:
 
     def __init__(self, cache_size: int) -> None:
         self._files: _AsyncLru[str, ModelFiles] = _AsyncLru(cache_size)
-        self._models: _AsyncLru[tuple[str, str, str, int | None], SessionModel] = _AsyncLru(cache_size * 4)
+        self._models: _AsyncLru[tuple[str, str, str, int | None, bool], SessionModel] = _AsyncLru(cache_size * 4)
 
     async def files(self, model_path: str) -> ModelFiles:
         async def load() -> ModelFiles:
@@ -133,7 +133,13 @@ class ModelRegistry:
 
     async def get(self, config: ModelConfig) -> SessionModel:
         """The model of a session whose resolved config is `config` (kwargs included)."""
-        key = (config.model_path, config.model_family, dumps(config.chat_template_kwargs), config.max_context_tokens)
+        key = (
+            config.model_path,
+            config.model_family,
+            dumps(config.chat_template_kwargs),
+            config.max_context_tokens,
+            config.split_special_tokens,
+        )
 
         async def build() -> SessionModel:
             family = get_family(config.model_family)
@@ -144,6 +150,7 @@ class ModelRegistry:
                     files.codec,
                     chat_template=files.chat_template,
                     chat_template_kwargs=config.chat_template_kwargs,
+                    split_special_tokens=config.split_special_tokens,
                 )
             except TokenizerUnavailableError as exc:  # a start-up class of error, but here it is per model
                 raise ModelUnavailableError(exc.message, retry_after_s=5.0) from exc

@@ -9,6 +9,7 @@ content and tool-call chunks, a finish chunk, an optional usage chunk, then `dat
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from miles.session.api_models import ChatCompletionRequest
@@ -28,29 +29,71 @@ _REQUEST_TO_SAMPLING = {
 }
 
 
-def sampling_params(
+@dataclass(frozen=True)
+class CompletionBudget:
+    """How many tokens a turn may generate: what was asked, and the limit it ran with."""
+
+    max_new_tokens: int | None
+    """Sent as sampling_params.max_new_tokens; None: nothing known limits it (no context length, no cap)."""
+    requested: int | None
+    """The request's max_tokens / max_completion_tokens (the smaller), else the sampling default's."""
+
+    @property
+    def clamped_from(self) -> int | None:
+        """The asked-for value when it was larger than the limit (and clamped), else None."""
+        if self.requested is None or self.max_new_tokens is None or self.requested <= self.max_new_tokens:
+            return None
+        return self.requested
+
+
+def completion_budget(
     defaults: Json,
     request: ChatCompletionRequest,
     *,
-    stop_token_ids: frozenset[int],
     num_prompt_tokens: int,
     max_context_tokens: int | None,
+    max_new_tokens_cap: int | None,
+) -> CompletionBudget:
+    """The one rule: the limit is context - prompt - 1 (an engine refuses prompt + max_new >= context), capped by
+    the job's max_new_tokens; a request without max_tokens gets the limit, a larger ask is clamped to it. The
+    caller refuses a prompt that leaves a limit below 1."""
+    asked = [n for n in (request.max_tokens, request.max_completion_tokens) if n is not None]
+    default = defaults.get("max_new_tokens")
+    requested = min(asked) if asked else (int(default) if default is not None else None)
+    room = None if max_context_tokens is None else max_context_tokens - num_prompt_tokens - 1
+    limits = [n for n in (room, max_new_tokens_cap) if n is not None]
+    limit = min(limits) if limits else None
+    if requested is None:
+        return CompletionBudget(limit, None)
+    return CompletionBudget(requested if limit is None else min(requested, limit), requested)
+
+
+def sampling_params(
+    defaults: Json, request: ChatCompletionRequest, *, stop_token_ids: frozenset[int], budget: CompletionBudget
 ) -> Json:
     """SGLang sampling_params: session defaults < request fields; the family's stop ids always stop generation;
-    max_new_tokens defaults to, and is capped by, what is left of the context."""
+    max_new_tokens is the budget's."""
     params = dict(defaults)
     for openai_name, sglang_name in _REQUEST_TO_SAMPLING.items():
         value = getattr(request, openai_name)
         if value is not None:
             params[sglang_name] = value
-    max_new = request.max_completion_tokens or request.max_tokens or params.get("max_new_tokens")
-    room = None if max_context_tokens is None else max_context_tokens - num_prompt_tokens
-    if room is not None:
-        max_new = room if max_new is None else min(int(max_new), room)
-    if max_new is not None:
-        params["max_new_tokens"] = int(max_new)
+    params.pop("max_new_tokens", None)
+    if budget.max_new_tokens is not None:
+        params["max_new_tokens"] = budget.max_new_tokens
     params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or ()) | stop_token_ids)
     return params
+
+
+def budget_headers(body: Json) -> dict[str, str]:
+    """Response headers of a `chat.completion` body reporting its completion limit and a clamped ask."""
+    miles: Json = body["miles"]
+    headers = {}
+    if miles.get("max_new_tokens") is not None:
+        headers["x-miles-max-new-tokens"] = str(miles["max_new_tokens"])
+    if miles.get("max_tokens_clamped_from") is not None:
+        headers["x-miles-max-tokens-clamped-from"] = str(miles["max_tokens_clamped_from"])
+    return headers
 
 
 def assistant_message(parsed: ParsedCompletion, turn_index: int) -> Json:

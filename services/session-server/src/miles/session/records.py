@@ -48,12 +48,17 @@ class ModelConfig:
     max_context_tokens: int | None = None
     chat_template_kwargs: Json = field(default_factory=dict)
     sampling_defaults: Json = field(default_factory=dict)
+    max_new_tokens: int | None = None
+    """The most tokens one turn may generate, whatever the request asks (None: only the context limits it)."""
+    split_special_tokens: bool = True
+    """Token strings in user, system and tool text and in the tool list are encoded as plain text."""
 
     def to_json(self) -> Json:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: Json) -> ModelConfig:
+        """Configs stored before a field existed get that field's behaviour of then (no cap, no split)."""
         return cls(
             model_path=str(data["model_path"]),
             model_family=str(data["model_family"]),
@@ -61,6 +66,8 @@ class ModelConfig:
             max_context_tokens=data.get("max_context_tokens"),
             chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
             sampling_defaults=dict(data.get("sampling_defaults") or {}),
+            max_new_tokens=data.get("max_new_tokens"),
+            split_special_tokens=bool(data.get("split_special_tokens", False)),
         )
 
 
@@ -94,6 +101,25 @@ class SessionMeta:
             ttl_s=float(data["ttl_s"]),
             created_at_unix_ms=int(data["created_at_unix_ms"]),
         )
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    """An Idempotency-Key of POST /v1/sessions, bound to the session it created; it lives as long as the session."""
+
+    key_sha256: str
+    """SHA-256 of the key (keys are caller-chosen strings of any shape; only the digest is stored)."""
+    session_id: str
+    body_sha256: str
+    """SHA-256 of the canonical JSON of the parsed create body: a replay must carry the same."""
+
+    def to_text(self) -> str:
+        return f"{self.session_id} {self.body_sha256}"
+
+    @classmethod
+    def from_text(cls, key_sha256: str, text: str) -> IdempotencyRecord:
+        session_id, _, body_sha256 = text.partition(" ")
+        return cls(key_sha256, session_id, body_sha256)
 
 
 class FinishType(StrEnum):

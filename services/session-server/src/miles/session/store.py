@@ -9,6 +9,8 @@ Backends: `RedisStore` (default; every replica shares it, so any replica serves 
   (`CommitOutcome.CONCURRENT_TURN` otherwise, counted as a not-recorded turn), so an expired lease cannot corrupt
   a session. `delete` waits for the lock the same way.
 - a session expires `ttl_s` after its creation or last commit; `reap()` counts expiries once across replicas.
+- an Idempotency-Key of a create is stored with its session (`create(meta, idempotency)` claims it atomically)
+  and expires, or is deleted, with it; `rotate_token` replaces the session's token hash (a replay's new token).
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from miles.session.records import CommitOutcome, ModelConfig, SessionMeta, SessionState, TurnCommit, TurnRecord
+from miles.session.records import (
+    CommitOutcome,
+    IdempotencyRecord,
+    ModelConfig,
+    SessionMeta,
+    SessionState,
+    TurnCommit,
+    TurnRecord,
+)
 from miles.session.settings import SessionSettings
 
 
@@ -35,7 +45,18 @@ class SessionStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def create(self, meta: SessionMeta) -> None: ...
+    async def create(self, meta: SessionMeta, idempotency: IdempotencyRecord | None = None) -> IdempotencyRecord | None:
+        """Create the session, and bind `idempotency` to it in the same atomic step. When a live session already
+        holds that key, create nothing and return its record; else None."""
+        ...
+
+    async def get_idempotency(self, key_sha256: str) -> IdempotencyRecord | None:
+        """The record of a key whose session is live, else None."""
+        ...
+
+    async def rotate_token(self, session_id: str, token_sha256: str) -> SessionMeta | None:
+        """Replace the session's token hash (the old token stops working); the new meta, None when it is gone."""
+        ...
 
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         """The session's fixed part, or None when there is no live session with this id."""

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 
 from miles.common.aio import acquire_within
 from miles.session.errors import SessionBusyError
-from miles.session.records import CommitOutcome, ModelConfig, SessionMeta, SessionState, TurnCommit, TurnRecord
+from miles.session.records import (
+    CommitOutcome,
+    IdempotencyRecord,
+    ModelConfig,
+    SessionMeta,
+    SessionState,
+    TurnCommit,
+    TurnRecord,
+)
 from miles.session.store import ReapResult
 
 
@@ -24,6 +32,7 @@ class _Entry:
     state: SessionState = field(default_factory=SessionState)
     records: list[TurnRecord] = field(default_factory=list)
     expires_at_s: float = 0.0
+    idempotency_key_sha256: str | None = None
 
 
 class MemoryStore:
@@ -31,6 +40,7 @@ class MemoryStore:
         self._sessions: dict[str, _Entry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._job_configs: dict[str, ModelConfig] = {}
+        self._idempotency: dict[str, IdempotencyRecord] = {}
         self._lock_wait_s = lock_wait_s
 
     async def ping(self) -> None:
@@ -45,8 +55,30 @@ class MemoryStore:
             return None
         return entry
 
-    async def create(self, meta: SessionMeta) -> None:
-        self._sessions[meta.session_id] = _Entry(meta, expires_at_s=time.time() + meta.ttl_s)
+    async def create(self, meta: SessionMeta, idempotency: IdempotencyRecord | None = None) -> IdempotencyRecord | None:
+        if idempotency is not None:
+            held = await self.get_idempotency(idempotency.key_sha256)
+            if held is not None:
+                return held
+            self._idempotency[idempotency.key_sha256] = idempotency
+        key = idempotency.key_sha256 if idempotency is not None else None
+        expires_at_s = time.time() + meta.ttl_s
+        self._sessions[meta.session_id] = _Entry(meta, expires_at_s=expires_at_s, idempotency_key_sha256=key)
+        return None
+
+    async def get_idempotency(self, key_sha256: str) -> IdempotencyRecord | None:
+        record = self._idempotency.get(key_sha256)
+        if record is not None and self._live(record.session_id) is None:
+            self._idempotency.pop(key_sha256, None)  # its session expired or was deleted: the key went with it
+            return None
+        return record
+
+    async def rotate_token(self, session_id: str, token_sha256: str) -> SessionMeta | None:
+        entry = self._live(session_id)
+        if entry is None:
+            return None
+        entry.meta = dataclasses.replace(entry.meta, token_sha256=token_sha256)
+        return entry.meta
 
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         entry = self._live(session_id)
@@ -83,9 +115,14 @@ class MemoryStore:
     async def delete(self, session_id: str) -> bool:
         async with self._lock(session_id):
             existed = self._live(session_id) is not None
-            self._sessions.pop(session_id, None)
+            self._drop(session_id)
         self._locks.pop(session_id, None)
         return existed
+
+    def _drop(self, session_id: str) -> None:
+        entry = self._sessions.pop(session_id, None)
+        if entry is not None and entry.idempotency_key_sha256 is not None:
+            self._idempotency.pop(entry.idempotency_key_sha256, None)
 
     @contextlib.asynccontextmanager
     async def _lock(self, session_id: str) -> AsyncIterator[None]:
@@ -113,7 +150,7 @@ class MemoryStore:
         now = time.time()
         expired = [sid for sid, entry in self._sessions.items() if entry.expires_at_s <= now]
         for sid in expired:
-            self._sessions.pop(sid, None)
+            self._drop(sid)
             self._locks.pop(sid, None)
         return ReapResult(num_live=len(self._sessions), num_expired=len(expired))
 

@@ -2,21 +2,26 @@
 
 Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together):
 - `P:s:{id}` hash: meta (JSON), job, version, messages (JSON), ids (int32 little-endian), tools, ends,
-  not_recorded. Expires ttl_s after creation or the last commit.
+  not_recorded, and optionally token (the token hash after a rotation; it overrides meta's) and idem (the name
+  of its idempotency key). Expires ttl_s after creation or the last commit.
 - `P:s:{id}:records` list of TurnRecord JSON (appended per commit; trimmed by a rollback).
 - `P:s:{id}:lock` the per-session lock: a lease (SET NX PX) released by compare-and-delete.
 - `P:live` sorted set of session ids scored by expiry time (ms): live-session count, listing, expiry counting.
 - `P:job:<job_id>:config` a job's ModelConfig JSON (no expiry; deleted by the controller).
+- `P:idem:<sha256 of an Idempotency-Key>` "<session_id> <body sha256>": created with its session by one script,
+  given the same expiry by every commit, deleted with it.
 Each critical section is one Lua script, so a turn costs four round trips: read meta (auth), take the lock and
 read the state (phase 1), release (in the background, during the engine call), and the fenced commit (phase 3; it
 also refreshes the TTLs and the index).
-Scripts touch the shared `P:live` key too, so the store expects a single Redis (with AOF), not a cluster.
+Scripts touch the shared `P:live` key and idempotency keys too, so the store expects a single Redis (with AOF),
+not a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -30,6 +35,7 @@ from redis.exceptions import RedisError
 from miles.session.errors import SessionBusyError, StoreUnavailableError
 from miles.session.records import (
     CommitOutcome,
+    IdempotencyRecord,
     ModelConfig,
     SessionMeta,
     SessionState,
@@ -59,6 +65,29 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# KEYS: hash, live[, idem]. ARGV: meta, job, ttl ms, id, expiry ms, idem value, hash key prefix.
+# -> nil (created) | the idem value of the live session already holding the key (nothing created)
+_CREATE = """
+if KEYS[3] then
+  local held = redis.call('GET', KEYS[3])
+  if held and redis.call('EXISTS', ARGV[7] .. string.match(held, '^(%S+)') .. '}') == 1 then return held end
+end
+redis.call('HSET', KEYS[1], 'meta', ARGV[1], 'job', ARGV[2], 'version', 0, 'messages', '[]', 'ids', '',
+  'tools', 'null', 'ends', '[]', 'not_recorded', 0)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4])
+if KEYS[3] then
+  redis.call('HSET', KEYS[1], 'idem', KEYS[3])
+  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[3])
+end
+return false
+"""
+# KEYS: hash. ARGV: token hash. -> meta JSON | nil (no session)
+_ROTATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSET', KEYS[1], 'token', ARGV[1])
+return redis.call('HGET', KEYS[1], 'meta')
+"""
 # KEYS: hash, records, lock, live. ARGV: version, kept, messages, ids, tools, ends, record, ttl ms, id, expiry ms
 _COMMIT = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
@@ -75,12 +104,16 @@ redis.call('HSET', KEYS[1], 'version', version + 1, 'messages', ARGV[3], 'ids', 
   'ends', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
 redis.call('PEXPIRE', KEYS[2], ARGV[8])
+local idem = redis.call('HGET', KEYS[1], 'idem')
+if idem then redis.call('PEXPIRE', idem, ARGV[8]) end
 redis.call('ZADD', KEYS[4], ARGV[10], ARGV[9])
 return version + 1
 """
 # KEYS: hash, records, lock, live. ARGV: id. -> 1 deleted | 0 missing | -3 busy
 _DELETE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
+local idem = redis.call('HGET', KEYS[1], 'idem')
+if idem then redis.call('DEL', idem) end
 redis.call('ZREM', KEYS[4], ARGV[1])
 redis.call('DEL', KEYS[2])
 return redis.call('DEL', KEYS[1])
@@ -132,6 +165,8 @@ class RedisStore:
         self._release = client.register_script(_RELEASE)
         self._commit = client.register_script(_COMMIT)
         self._delete = client.register_script(_DELETE)
+        self._create = client.register_script(_CREATE)
+        self._rotate = client.register_script(_ROTATE)
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -181,29 +216,51 @@ class RedisStore:
         await asyncio.gather(*self._releases)
         await self._redis.aclose()
 
+    def _idem_key(self, key_sha256: str) -> str:
+        return f"{self._prefix}:idem:{key_sha256}"
+
     @_store_errors
-    async def create(self, meta: SessionMeta) -> None:
-        key, ttl_ms = self._key(meta.session_id), int(meta.ttl_s * 1000)
-        fields: dict[Any, Any] = {
-            "meta": dumps(meta.to_json()),
-            "job": meta.job_id,
-            "version": 0,
-            "messages": "[]",
-            "ids": b"",
-            "tools": "null",
-            "ends": "[]",
-            "not_recorded": 0,
-        }
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=fields)
-            pipe.pexpire(key, ttl_ms)
-            pipe.zadd(f"{self._prefix}:live", {meta.session_id: _now_ms() + ttl_ms})
-            await pipe.execute()
+    async def create(self, meta: SessionMeta, idempotency: IdempotencyRecord | None = None) -> IdempotencyRecord | None:
+        ttl_ms = max(1, int(meta.ttl_s * 1000))
+        keys = [self._key(meta.session_id), f"{self._prefix}:live"]
+        if idempotency is not None:
+            keys.append(self._idem_key(idempotency.key_sha256))
+        args: list[str | int] = [
+            dumps(meta.to_json()),
+            meta.job_id,
+            ttl_ms,
+            meta.session_id,
+            _now_ms() + ttl_ms,
+            idempotency.to_text() if idempotency is not None else "",
+            f"{self._prefix}:s:{{",
+        ]
+        held = await self._create(keys=keys, args=args)
+        if held is None or idempotency is None:
+            return None
+        return IdempotencyRecord.from_text(idempotency.key_sha256, _text(held))
+
+    @_store_errors
+    async def get_idempotency(self, key_sha256: str) -> IdempotencyRecord | None:
+        raw = await self._redis.get(self._idem_key(key_sha256))
+        if raw is None:
+            return None
+        record = IdempotencyRecord.from_text(key_sha256, _text(raw))
+        return record if await self._redis.exists(self._key(record.session_id)) else None
+
+    @_store_errors
+    async def rotate_token(self, session_id: str, token_sha256: str) -> SessionMeta | None:
+        raw = await self._rotate(keys=[self._key(session_id)], args=[token_sha256])
+        if raw is None:
+            return None
+        return dataclasses.replace(SessionMeta.from_json(json.loads(raw)), token_sha256=token_sha256)
 
     @_store_errors
     async def get_meta(self, session_id: str) -> SessionMeta | None:
-        raw = await self._redis.hget(self._key(session_id), "meta")
-        return None if raw is None else SessionMeta.from_json(json.loads(raw))
+        raw, token = await self._redis.hmget(self._key(session_id), ["meta", "token"])
+        if raw is None:
+            return None
+        meta = SessionMeta.from_json(json.loads(raw))
+        return meta if token is None else dataclasses.replace(meta, token_sha256=_text(token))
 
     @_store_errors
     async def load_state(self, session_id: str) -> SessionState | None:

@@ -30,6 +30,7 @@ from miles.session.errors import (
 from miles.session.history import TurnPlan, num_records_to_keep, plan_turn
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry, SessionModel
+from miles.session.openai_format import CompletionBudget
 from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit, TurnRecord
 from miles.session.store import SessionStore
 from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError
@@ -92,22 +93,37 @@ class TurnRunner:
             self._metrics.rollbacks.inc()
         return plan
 
-    async def _generate(
-        self, meta: SessionMeta, model: SessionModel, request: ChatCompletionRequest, prompt_ids: list[int]
-    ) -> Completion:
-        if model.max_context_tokens is not None and len(prompt_ids) >= model.max_context_tokens:
+    @staticmethod
+    def _budget(
+        meta: SessionMeta, model: SessionModel, request: ChatCompletionRequest, num_prompt_tokens: int
+    ) -> CompletionBudget:
+        """The turn's completion limit (openai_format.completion_budget); 400 when the prompt leaves no room."""
+        context = model.max_context_tokens
+        if context is not None and num_prompt_tokens + 1 >= context:
             raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context is {model.max_context_tokens} "
-                "tokens and at least one must be left to generate",
+                f"the prompt is {num_prompt_tokens} tokens; the model's context is {context} tokens and prompt + "
+                "completion must stay below it, so at least one token must be left to generate",
                 field="messages",
-                details={"num_prompt_tokens": len(prompt_ids), "max_context_tokens": model.max_context_tokens},
+                details={"num_prompt_tokens": num_prompt_tokens, "max_context_tokens": context},
             )
-        params = openai_format.sampling_params(
+        return openai_format.completion_budget(
             meta.model.sampling_defaults,
             request,
-            stop_token_ids=model.tito.stop_token_ids,
-            num_prompt_tokens=len(prompt_ids),
-            max_context_tokens=model.max_context_tokens,
+            num_prompt_tokens=num_prompt_tokens,
+            max_context_tokens=context,
+            max_new_tokens_cap=meta.model.max_new_tokens,
+        )
+
+    async def _generate(
+        self,
+        meta: SessionMeta,
+        model: SessionModel,
+        request: ChatCompletionRequest,
+        prompt_ids: list[int],
+        budget: CompletionBudget,
+    ) -> Completion:
+        params = openai_format.sampling_params(
+            meta.model.sampling_defaults, request, stop_token_ids=model.tito.stop_token_ids, budget=budget
         )
         try:
             return await self._engine.generate(
@@ -129,9 +145,12 @@ class TurnRunner:
             plan = await self._prepare(meta, model, request)
             prompt_ids = plan.prompt.prompt_ids
             self._observe_phase("prepare", phase_started_s)
+        budget = self._budget(meta, model, request, len(prompt_ids))
+        if budget.clamped_from is not None:
+            self._metrics.max_tokens_clamped.inc()
         with tracer.start_as_current_span("session.upstream", attributes=attributes) as span:
             phase_started_s = time.perf_counter()
-            completion = await self._generate(meta, model, request, prompt_ids)
+            completion = await self._generate(meta, model, request, prompt_ids, budget)
             span.set_attribute("miles.weight_version", completion.weight_version)
             self._observe_phase("upstream", phase_started_s)
         message = self._assistant_message(model, plan, completion)
@@ -143,7 +162,7 @@ class TurnRunner:
         self._metrics.completion_tokens.inc(len(completion.output_ids))
         self._metrics.cached_tokens.inc(completion.cached_tokens)
         self._metrics.appended_tokens.inc(len(plan.prompt.appended_ids))
-        return self._body(meta, model, request, plan, prompt_ids, completion, message, outcome)
+        return self._body(meta, model, request, plan, prompt_ids, completion, message, outcome, budget)
 
     def _assistant_message(self, model: SessionModel, plan: TurnPlan, completion: Completion) -> Json:
         text = model.tito.codec.decode(completion.output_ids)
@@ -194,6 +213,7 @@ class TurnRunner:
         completion: Completion,
         message: Json,
         outcome: CommitOutcome,
+        budget: CompletionBudget,
     ) -> Json:
         recorded = outcome is CommitOutcome.COMMITTED
         return openai_format.completion_body(
@@ -210,6 +230,8 @@ class TurnRunner:
                 "not_recorded_reason": None if recorded else outcome.value,
                 "weight_version": completion.weight_version,
                 "num_appended_tokens": len(plan.prompt.appended_ids),
+                "max_new_tokens": budget.max_new_tokens,
+                "max_tokens_clamped_from": budget.clamped_from,
             },
         )
 

@@ -34,7 +34,8 @@ from miles.session.tito.families import ROLE_SETS, Family, Junction, family_name
 from miles.session.tito.messages import split_appended
 from miles.session.tito.metrics import TitoMetrics, register_tito_metrics
 from miles.session.tito.parsers import ParsedCompletion, ParsedToolCall, ToolCallFormat
-from miles.session.tito.tokenizer import TitoPrompt, TitoTokenizer
+from miles.session.tito.prompt import TitoPrompt
+from miles.session.tito.tokenizer import TitoTokenizer
 
 __all__ = [
     "ROLE_SETS",

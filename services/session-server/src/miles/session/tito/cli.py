@@ -2,7 +2,7 @@
 
     miles-tito families
     miles-tito verify --all [--json]
-    miles-tito verify --family qwen3 --family glm-4.7 --roles tool,user
+    miles-tito verify --family qwen3 --family glm-4.7 --roles tool,user [--split-special-tokens]
 
 `verify` prints one row per (family, role set) and ends with `critical_mismatches=<n> combos=<m>`; the exit
 code is 1 when n > 0 (2 when nothing ran). It needs the offline assets of `make setup` and no network.
@@ -63,7 +63,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         family = get_family(name)
         if args.roles is not None and not args.roles <= family.allowed_append_roles:
             print(f"# {name}: no {{{roles_label(args.roles)}}} combo: {family.notes}", file=sys.stderr)
-    results = verify(names, [args.roles] if args.roles is not None else None)
+    roles = [args.roles] if args.roles is not None else None
+    results = verify(names, roles, split_special_tokens=args.split_special_tokens)
     total = sum(r.num_critical for r in results)
     if args.json:
         print(
@@ -114,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     verify_parser.add_argument("--all", action="store_true", help="every family")
     verify_parser.add_argument("--roles", type=_parse_roles, help="one role set, e.g. tool,user")
     verify_parser.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
+    verify_parser.add_argument(
+        "--split-special-tokens",
+        action="store_true",
+        help="token strings in user/system/tool text encoded as plain text (the job option of that name)",
+    )
     args = parser.parse_args(argv)
     # The `default` family warns that it is best effort; in a verification run that is expected noise.
     logging.basicConfig(level=logging.ERROR)

@@ -30,6 +30,10 @@ class TokenCodec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as ordinary text: special/added token strings in it are split like any other characters."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens included, exactly as the model saw it."""
         ...
@@ -93,6 +97,16 @@ class HFTokenizerCodec:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The tokenizer's own pipeline (normalizer, pre-tokenizer, model) without its added-token split: what
+        `encode` gives for text that holds no added token, and plain-text ids for the token strings otherwise."""
+        if not any(token in text for token in self._added):
+            return self.encode(text)
+        normalizer, pre_tokenizer = self._tokenizer.normalizer, self._tokenizer.pre_tokenizer
+        normalized = normalizer.normalize_str(text) if normalizer is not None else text
+        pieces = pre_tokenizer.pre_tokenize_str(normalized) if pre_tokenizer is not None else [(normalized, None)]
+        return [int(token.id) for piece, _ in pieces for token in self._tokenizer.model.tokenize(piece)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
 
@@ -145,6 +159,9 @@ class CharCodec:
             position = match.end()
         ids.extend(ord(ch) for ch in text[position:])
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        return [ord(ch) for ch in text]
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self._token_by_id[i] if i >= _CHAR_TOKEN_BASE else chr(i) for i in ids)

@@ -27,7 +27,8 @@ from miles.session.tito.codec import TokenCodec
 from miles.session.tito.corpus import CORPUS, INJECTED_KEY, Conversation
 from miles.session.tito.families import APPEND_ROLES, Family, Junction, Variant, family_names, get_family
 from miles.session.tito.family_table import DEFAULT_VERIFY_TEMPLATE_ID
-from miles.session.tito.tokenizer import TitoPrompt, TitoTokenizer
+from miles.session.tito.prompt import TitoPrompt
+from miles.session.tito.tokenizer import TitoTokenizer
 
 PASSES: tuple[str, ...] = ("canonical", "split")
 _DEFAULT_REASONING = "Let me think about this."
@@ -140,11 +141,19 @@ def noncanonical_encode(codec: TokenCodec, text: str) -> list[int]:
     return ids
 
 
-def build_tokenizer(family: Family, variant: Variant | None = None) -> TitoTokenizer:
+def build_tokenizer(
+    family: Family, variant: Variant | None = None, *, split_special_tokens: bool = False
+) -> TitoTokenizer:
     """The TITO tokenizer the suite verifies `family` with (its bundled tokenizer or a CharCodec)."""
     template = assets.vendor_template(DEFAULT_VERIFY_TEMPLATE_ID) if family.name == "default" else None
     kwargs = dict(variant.kwargs) if variant is not None else None
-    return TitoTokenizer(family, assets.verification_codec(family), chat_template=template, chat_template_kwargs=kwargs)
+    return TitoTokenizer(
+        family,
+        assets.verification_codec(family),
+        chat_template=template,
+        chat_template_kwargs=kwargs,
+        split_special_tokens=split_special_tokens,
+    )
 
 
 def prepare_messages(conversation: Conversation, family: Family, variant: Variant) -> list[dict[str, Any]]:
@@ -204,7 +213,8 @@ def _check_prompt(
     if prompt.num_trimmed_tokens > tito.max_trim_tokens or list(prompt.prompt_ids[:kept]) != list(stored[:kept]):
         outcome.fail("prefix_violations", f"{where}: the prompt does not extend the stored ids")
     expected_text = tito.render(history, tools=tools, add_generation_prompt=True)
-    result = tito.comparator().compare(tito.codec.encode(expected_text), prompt.prompt_ids)
+    expected_ids = tito.encode_messages(history, tools=tools, add_generation_prompt=True)
+    result = tito.comparator().compare(expected_ids, prompt.prompt_ids)
     critical = [m for m in result.mismatches if m.kind.critical]
     if critical:
         outcome.critical_mismatches += len(critical)
@@ -281,9 +291,11 @@ def verify(
     families: Iterable[str | Family] | None = None,
     role_sets: Iterable[frozenset[str]] | None = None,
     corpus: Sequence[Conversation] = CORPUS,
+    *,
+    split_special_tokens: bool = False,
 ) -> list[ComboResult]:
     """Verify families (names or `Family` objects; all registered by default) under role sets (each family's
-    own by default): one row per (family, role set)."""
+    own by default): one row per (family, role set). `split_special_tokens`: the session option of that name."""
     results: list[ComboResult] = []
     for name_or_family in families or family_names():
         family = get_family(name_or_family) if isinstance(name_or_family, str) else name_or_family
@@ -291,7 +303,10 @@ def verify(
         combos = [roles for roles in wanted if roles <= family.allowed_append_roles]
         runs: dict[tuple[str, str, str], ConversationOutcome] = {}
         level = "token" if family.tokenizer_asset else "text"
-        tokenizers = {variant.name: build_tokenizer(family, variant) for variant in family.variants}
+        tokenizers = {
+            variant.name: build_tokenizer(family, variant, split_special_tokens=split_special_tokens)
+            for variant in family.variants
+        }
         for roles in combos:
             row = ComboResult(family.name, tuple(r for r in APPEND_ROLES if r in roles), level)
             for conversation in corpus:

@@ -1,28 +1,77 @@
 """OpenAI chat messages as TITO sees them: validation, the append-only check, and the view templates render.
 
-Owns: role and field validation with errors that say what to fix, tool-call argument checking (a JSON object,
-given as a JSON string or an object), the strict-with-JSON-arguments message matcher that decides whether a
-request extends the stored history, and the normalised copy handed to jinja (None values dropped like
-transformers does, text-part lists joined, arguments as objects or as JSON strings per family). Does not own
-multimodal content: image/audio parts are rejected.
+Owns: role and field validation with errors that say what to fix (strings that are not text - a lone UTF-16
+surrogate, valid in JSON - are refused naming the field, also inside an arguments JSON string), tool-call argument
+checking (a JSON object, given as a JSON string or an object), the strict-with-JSON-arguments message matcher that
+decides whether a request extends the stored history, and the normalised copy handed to jinja (None values dropped
+like transformers does, text-part lists joined, arguments as objects or as JSON strings per family; a dict given
+where the family renders a string becomes the templates' `tojson`, non-ASCII kept). Does not own multimodal
+content: image/audio parts are rejected.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from miles.common.errors import InvalidArgumentError
 from miles.session.tito.errors import (
     InvalidMessageError,
     InvalidToolCallArgumentsError,
     NonAppendHistoryError,
     UnsupportedRoleError,
 )
+from miles.session.tito.render import tojson
 
 Message = Mapping[str, Any]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 _COMPARED_KEYS = ("role", "content", "reasoning_content", "tool_calls")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def first_json_path(value: Any, problem: Callable[[Any], str | None], path: str = "") -> tuple[str, str] | None:
+    """(where, what) for the first leaf or mapping key of a JSON value that `problem` describes; None if none.
+    `where` is a path such as `messages[1].content` (keys that are not identifiers in brackets, repr-escaped)."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, Mapping):
+            children: list[tuple[str, Any]] = []
+            for key, child in item.items():
+                plain = isinstance(key, str) and key.isidentifier()
+                child_path = (f"{where}.{key}" if where else str(key)) if plain else f"{where}[{key!r}]"
+                found = problem(key)
+                if found is not None:
+                    return child_path, found
+                children.append((child_path, child))
+            stack.extend(reversed(children))
+        elif isinstance(item, list | tuple):
+            stack.extend(reversed([(f"{where}[{i}]", child) for i, child in enumerate(item)]))
+        else:
+            found = problem(item)
+            if found is not None:
+                return where or "body", found
+    return None
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """Why a string is not text: it holds a lone UTF-16 surrogate (`"\\ud800"` is valid JSON, but no tokenizer,
+    store or response can encode it); None for anything else."""
+    if isinstance(value, str) and _LONE_SURROGATE.search(value):
+        return (
+            "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text; send valid Unicode (a surrogate "
+            "pair, or the character itself)"
+        )
+    return None
+
+
+def check_text(value: Any, *, where: str, error: type[InvalidArgumentError] = InvalidMessageError) -> None:
+    """Raise `error` naming the field when a string or key of `value` is not text (see `lone_surrogate`)."""
+    found = first_json_path(value, lone_surrogate, where)
+    if found is not None:
+        raise error(f"{found[0]} {found[1]}", field=found[0])
 
 
 def content_text(content: Any, *, where: str) -> str:
@@ -61,6 +110,7 @@ def parse_arguments(arguments: Any, *, where: str) -> dict[str, Any]:
                 field=f"{where}.function.arguments",
             ) from exc
         if isinstance(value, dict):
+            check_text(value, where=f"{where}.function.arguments", error=InvalidToolCallArgumentsError)
             return value
     raise InvalidToolCallArgumentsError(
         f"{where}.function.arguments must be a JSON object (got {type(arguments).__name__} "
@@ -79,8 +129,8 @@ def _tool_call_view(call: Any, *, where: str, arguments_as_string: bool) -> dict
     raw_arguments = function.get("arguments")
     arguments = parse_arguments(raw_arguments, where=where)
     rendered: Any = arguments
-    if arguments_as_string:
-        rendered = raw_arguments if isinstance(raw_arguments, str) and raw_arguments else json.dumps(arguments)
+    if arguments_as_string:  # a dict is rendered as the vendor templates' `tojson` renders it (non-ASCII kept)
+        rendered = raw_arguments if isinstance(raw_arguments, str) and raw_arguments else tojson(arguments)
     view: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": rendered}}
     if call.get("id"):
         view["id"] = str(call["id"])
@@ -92,6 +142,7 @@ def render_view(message: Message, *, index: int, arguments_as_string: bool = Fal
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise InvalidMessageError(f"{where} must be an object with `role` and `content`", field=where)
+    check_text(message, where=where)
     role = message.get("role")
     if role not in ROLES:
         raise UnsupportedRoleError(
@@ -120,6 +171,7 @@ def render_view(message: Message, *, index: int, arguments_as_string: bool = Fal
 def canonical_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
     """Tools as `{"type": "function", "function": {...}}` (bare function objects are wrapped)."""
     result: list[dict[str, Any]] = []
+    check_text(list(tools or ()), where="tools")
     for i, tool in enumerate(tools or ()):
         function = tool.get("function") if isinstance(tool, Mapping) else None
         function = function if isinstance(function, Mapping) else tool

@@ -44,9 +44,10 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(
+def tojson(
     value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
+    """Chat templates' `tojson` filter, as transformers defines it (non-ASCII kept, `, ` and `: ` separators)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -60,7 +61,7 @@ def compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:

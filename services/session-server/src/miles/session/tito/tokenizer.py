@@ -11,11 +11,9 @@ with the history. Families whose template folds turns together render the real h
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from miles.session.tito import assets
@@ -30,8 +28,10 @@ from miles.session.tito.errors import (
     UnsupportedRoleError,
 )
 from miles.session.tito.families import Family, Junction
+from miles.session.tito.guard import SpecialTokenGuard
 from miles.session.tito.messages import ROLES, Message, canonical_tools, render_view
 from miles.session.tito.parsers import THINK_CLOSE, THINK_OPEN, ParsedCompletion, parse_completion
+from miles.session.tito.prompt import TitoPrompt
 from miles.session.tito.render import compile_template, render_template
 
 logger = logging.getLogger(__name__)
@@ -39,33 +39,6 @@ logger = logging.getLogger(__name__)
 DUMMY_SYSTEM = "dummy system"
 DUMMY_USER = "dummy user"
 _BASE_CACHE_SIZE = 1024
-
-
-@dataclass(frozen=True)
-class TitoPrompt:
-    """The next prompt: `stored_ids[:len(stored_ids) - num_trimmed_tokens] + appended_ids`.
-
-    Building it costs O(appended tokens); `prompt_ids` materialises the whole list on first access (a C-speed
-    copy). A store that keeps ids as an appendable list can instead drop `num_trimmed_tokens` and push
-    `appended_ids`.
-    """
-
-    stored_ids: Sequence[int]
-    """The ids the prompt extends, as passed (not copied)."""
-    appended_ids: list[int]
-    num_trimmed_tokens: int
-    """Trailing stored tokens replaced by the junction patch (0, or 1 for GLM's stop-as-opener tokens)."""
-    appended_text: str
-    """The text `appended_ids` encode (junction + appended messages + generation prompt)."""
-    reasoning_open: bool
-    """The generation prompt opened a `<think>` block: the completion starts inside the reasoning."""
-
-    @functools.cached_property
-    def prompt_ids(self) -> list[int]:
-        """The whole prompt (computed once)."""
-        num_kept = len(self.stored_ids) - self.num_trimmed_tokens
-        kept = self.stored_ids if self.num_trimmed_tokens == 0 else self.stored_ids[:num_kept]
-        return (kept if isinstance(kept, list) else list(kept)) + self.appended_ids
 
 
 class TitoTokenizer:
@@ -78,9 +51,13 @@ class TitoTokenizer:
         *,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        split_special_tokens: bool = False,
     ) -> None:
-        """`chat_template`: the model's own template (families without a fixed one; `default`)."""
+        """`chat_template`: the model's own template (families without a fixed one; `default`).
+        `split_special_tokens`: encode token strings in user, system and tool messages and in the tool list as
+        plain text (`guard.py`), so that they can never become control tokens."""
         self.codec = codec
+        self._guard = SpecialTokenGuard(codec, enabled=split_special_tokens)
         self._template = compile_template(self._template_source(family, codec, chat_template))
         self.family = family
         self._session_kwargs = self._merge_kwargs(dict(chat_template_kwargs or {}))
@@ -182,8 +159,24 @@ class TitoTokenizer:
         )
 
     def _views(self, messages: Sequence[Message], offset: int = 0) -> list[dict[str, Any]]:
+        """Validated views; with split_special_tokens, every string of a non-assistant message is marked."""
         as_string = self.family.arguments_as_json_string
-        return [render_view(m, index=offset + i, arguments_as_string=as_string) for i, m in enumerate(messages)]
+        views = [render_view(m, index=offset + i, arguments_as_string=as_string) for i, m in enumerate(messages)]
+        return self._guard.mark_views(views)
+
+    def _tool_views(self, tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return self._guard.mark_tools(canonical_tools(tools) or None)
+
+    def _render_messages(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """The full render, markers kept (`self._guard` encodes and unmarks it)."""
+        kwargs = self._kwargs(chat_template_kwargs)
+        return self._render(self._views(messages), self._tool_views(tools), add_generation_prompt, kwargs)
 
     def render(
         self,
@@ -194,8 +187,7 @@ class TitoTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The full render of `messages` (what a non-TITO server would tokenize)."""
-        kwargs = self._kwargs(chat_template_kwargs)
-        return self._render(self._views(messages), canonical_tools(tools) or None, add_generation_prompt, kwargs)
+        return self._guard.unmark(self._render_messages(messages, tools, add_generation_prompt, chat_template_kwargs))
 
     def encode_messages(
         self,
@@ -206,13 +198,7 @@ class TitoTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Ids of the full render: the first prompt of a session, and the comparator's expected sequence."""
-        text = self.render(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        return self.codec.encode(text)
+        return self._guard.encode(self._render_messages(messages, tools, add_generation_prompt, chat_template_kwargs))
 
     def first_prompt(
         self,
@@ -222,8 +208,9 @@ class TitoTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> TitoPrompt:
         """The prompt of a session's first turn: a full render with the generation prompt."""
-        text = self.render(messages, tools=tools, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
-        return TitoPrompt([], self.codec.encode(text), 0, text, self._reasoning_open(text))
+        rendered = self._render_messages(messages, tools, True, chat_template_kwargs)
+        text = self._guard.unmark(rendered)
+        return TitoPrompt([], self._guard.encode(rendered), 0, text, self._reasoning_open(text))
 
     def _reasoning_open(self, prompt_text: str) -> bool:
         tail = prompt_text[-64:]
@@ -334,12 +321,12 @@ class TitoTokenizer:
         offset = len(previous_messages)
         self.check_append_roles(appended_messages, offset=offset)
         kwargs = self._kwargs(chat_template_kwargs)
-        tool_list = canonical_tools(tools) or None
         appended = self._views(appended_messages, offset)
-        text_without, text_with = self._render_pair(previous_messages, appended, tool_list, kwargs)
+        text_without, text_with = self._render_pair(previous_messages, appended, self._tool_views(tools), kwargs)
         if not text_with.startswith(text_without):
             position = first_difference_position(text_without, text_with)
-            before, after = text_without[position : position + 40], text_with[position : position + 40]
+            before = self._guard.unmark(text_without[position : position + 40])
+            after = self._guard.unmark(text_with[position : position + 40])
             raise TemplateNotPrefixError(
                 f"family {self.family.name!r}: rendering the appended messages changes earlier text at char "
                 f"{position} ({before!r} became {after!r}); "
@@ -348,11 +335,9 @@ class TitoTokenizer:
                 details={"family": self.family.name, "position": position},
             )
         num_kept, junction_text = self._junction(stored_ids, text_without)
-        appended_text = junction_text + text_with[len(text_without) :]
-        appended_ids = self.codec.encode(appended_text)
-        return TitoPrompt(
-            stored_ids, appended_ids, len(stored_ids) - num_kept, appended_text, self._reasoning_open(appended_text)
-        )
+        rendered = junction_text + text_with[len(text_without) :]
+        text, num_trimmed = self._guard.unmark(rendered), len(stored_ids) - num_kept
+        return TitoPrompt(stored_ids, self._guard.encode(rendered), num_trimmed, text, self._reasoning_open(text))
 
     # --- completions and comparison -----------------------------------------------------------------------
 
