@@ -254,3 +254,30 @@ async def test_the_sweeper_deletes_only_old_sessions_no_episode_recorded(
             await sessions.delete(handle)
     finally:
         await client.aclose()
+
+
+async def test_a_dead_workers_in_flight_episodes_are_counted_aborted_when_their_prompt_is_reclaimed(
+    services: Any, sessions: SessionClient, spec: Callable[..., RolloutSpec]
+) -> None:
+    client = aioredis.Redis.from_url(services.redis_url)
+    ledger = SessionLedger(client, key_prefix="test:reclaim", job_id=JOB_ID)
+    try:
+        left_behind = [await sessions.create(job_id=JOB_ID, episode_id=f"dead-{i}", ttl_s=60) for i in range(3)]
+        for handle in left_behind:
+            await ledger.record(11, handle, ttl_s=60)
+        runner = EpisodeRunner(
+            spec(),
+            sessions=sessions,
+            agent=normal_agent,
+            scorer=Scorer(spec().reward, job_id=JOB_ID, sandbox=None),
+            metrics=RolloutMetrics(Metrics("rollout")),
+            worker_id="w-reclaimer",
+            ledger=ledger,
+        )
+        assert await runner.reap_orphans(11) == 3
+        assert await runner.reap_orphans(11) == 0, "each dead episode is counted once"
+        assert live_sessions(services) == []
+        exported = runner.metrics.registry.exposition().decode()
+        assert 'miles_rollout_episodes_total{reason="worker_lost",status="ABORTED"} 3.0' in exported
+    finally:
+        await client.aclose()

@@ -182,18 +182,21 @@ def build_grpc_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = 256 * 1024 * 1024,
+    max_receive_message_bytes: int | None = None,
     auth: BearerAuth | None = None,
     auth_methods: Collection[str] | None = None,
 ) -> GrpcServer:
     """An aio server with health, reflection and the miles interceptor; port 0 binds a free port.
 
     `service_names` are the full names (e.g. "miles.buffer.v1.BufferService") reported by health and reflection.
+    `max_receive_message_bytes` (default: `max_message_bytes`) bounds requests: gRPC refuses a larger one with
+    RESOURCE_EXHAUSTED from its length prefix, before the bytes reach Python.
     """
     server = grpc.aio.server(
         interceptors=[_ServerInterceptor(metrics, auth, auth_methods)],
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_receive_message_bytes or max_message_bytes),
         ],
     )
     for add_servicer, servicer in servicers:

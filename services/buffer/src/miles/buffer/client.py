@@ -64,13 +64,20 @@ class RetryPolicy:
 class BufferClient:
     """One channel to the buffer; share one instance per process (it is safe for concurrent tasks)."""
 
-    def __init__(self, target: str, *, call_timeout_s: float = 30.0, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        call_timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        operator_token: str = "",
+    ) -> None:
         """`target` is "host:port"; `call_timeout_s` bounds each attempt (long polls and full-job waits add
-        their own wait on top)."""
+        their own wait on top); `operator_token` is sent on every call (ConfigureJob and DeleteJob need it)."""
         self.target = target
         self.call_timeout_s = call_timeout_s
         self.retry = retry or RetryPolicy()
-        self._channel = create_channel(target, retry_unavailable=False)
+        self._channel = create_channel(target, retry_unavailable=False, bearer_token=operator_token)
         self._stub = buffer_pb2_grpc.BufferServiceStub(self._channel)  # type: ignore[no-untyped-call]
         # PushGroup with a prebuilt request: building PushGroupRequest(group=group) would copy the whole group
         # (about as costly as serializing it) only to serialize it right after.

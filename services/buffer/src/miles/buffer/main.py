@@ -7,9 +7,10 @@ import asyncio
 
 from miles.buffer.core import Buffer
 from miles.buffer.metrics import BufferMetrics
-from miles.buffer.service import SERVICE_NAME, BufferServicer, add_buffer_service
-from miles.buffer.settings import BufferSettings
+from miles.buffer.service import CONTROL_METHODS, SERVICE_NAME, BufferServicer, add_buffer_service
+from miles.buffer.settings import REQUEST_HEADROOM_BYTES, BufferSettings
 from miles.buffer.store import RedisStore, check_redis_persistence, connect_redis
+from miles.common.auth import BearerAuth
 from miles.common.grpc_server import build_grpc_server
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
@@ -41,6 +42,9 @@ async def run(settings: BufferSettings) -> None:
         metrics=metrics,
         host=settings.host,
         port=settings.port,
+        max_receive_message_bytes=settings.max_group_bytes + REQUEST_HEADROOM_BYTES,
+        auth=BearerAuth([settings.operator_token.get_secret_value()], what="the buffer's job-control API"),
+        auth_methods=CONTROL_METHODS,
     )
     app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"redis": buffer.ping})
     buffer.start_background()

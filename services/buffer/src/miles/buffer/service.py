@@ -13,11 +13,13 @@ unchanged: clients see ordinary protobuf messages.
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from miles.buffer.convert import (
@@ -33,6 +35,8 @@ from miles.buffer.wire import top_level_len_field
 from miles.proto.buffer.v1 import buffer_pb2
 
 SERVICE_NAME = "miles.buffer.v1.BufferService"
+CONTROL_METHODS = frozenset({f"/{SERVICE_NAME}/ConfigureJob", f"/{SERVICE_NAME}/DeleteJob"})
+"""The RPCs that need the operator token (settings.operator_token); the rest is the jobs' data plane."""
 _PUSH_GROUP_FIELD = buffer_pb2.PushGroupRequest.DESCRIPTOR.fields_by_name["group"].number
 
 
@@ -166,15 +170,46 @@ def _pass_through(data: bytes) -> bytes:
     return data
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What the deserializer hands on for bytes that are not the method's request message."""
+
+    reason: str
+
+
+def _decoding(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: gRPC would answer UNKNOWN for an exception there."""
+
+    def decode(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, IndexError) as error:
+            return UndecodableRequest(f"{type(error).__name__}: {error}")
+
+    return decode
+
+
+def _refusing_undecodable(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Answers INVALID_ARGUMENT (through the error interceptor) when the request bytes did not decode."""
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, UndecodableRequest):
+            raise InvalidRequestError(f"the request is not a valid protobuf message ({request.reason})")
+        return await behavior(request, context)
+
+    return call
+
+
 def add_buffer_service(servicer: BufferServicer, server: grpc.aio.Server) -> None:
     """Registers every method of BufferService (taken from the proto descriptor, so none can be missed)."""
     handlers: dict[str, Any] = {}
     for method in buffer_pb2.DESCRIPTOR.services_by_name["BufferService"].methods:
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
+        parse = PushGroupCall.from_bytes if method.name == "PushGroup" else request_class.FromString
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=PushGroupCall.from_bytes if method.name == "PushGroup" else request_class.FromString,
+            _refusing_undecodable(getattr(servicer, method.name)),
+            request_deserializer=_decoding(parse),
             response_serializer=_pass_through if method.name == "PullBatch" else response_class.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 
+from miles.common.auth import check_token_setting
 from miles.common.settings import ServiceSettings, service_config
+
+REQUEST_HEADROOM_BYTES = 8 * 1024 * 1024
+"""Room above max_group_bytes for the rest of a request (job id, lease id lists of Ack/Nack ...)."""
 
 
 class BufferSettings(ServiceSettings):
@@ -81,7 +85,19 @@ class BufferSettings(ServiceSettings):
     are forgotten first (bounds Redis memory to roughly 100 bytes per id)."""
 
     max_group_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    """Largest serialized group accepted, in bytes (INVALID_ARGUMENT above it)."""
+    """Largest serialized group accepted, in bytes. A push message larger than this (plus REQUEST_HEADROOM_BYTES)
+    is refused by the gRPC layer with RESOURCE_EXHAUSTED before a byte of it is parsed; a group that fits the
+    message but not this bound is refused with INVALID_ARGUMENT."""
 
     stats_refresh_interval_s: float = Field(default=5.0, gt=0)
     """How often the per-job gauges (queue size, leased, age of oldest group) are refreshed from Redis."""
+
+    operator_token: SecretStr = SecretStr("")
+    """Bearer token the job-control RPCs (ConfigureJob, DeleteJob) need; held by the controller. Required (32+
+    characters) when host is not a loopback address; empty on loopback leaves them open (development). The data
+    RPCs (push, pull, ack ...) stay open to the job's processes inside the chart's NetworkPolicies."""
+
+    @model_validator(mode="after")
+    def _check_operator_token(self) -> BufferSettings:
+        check_token_setting(self.operator_token.get_secret_value(), host=self.host, field="operator_token")
+        return self

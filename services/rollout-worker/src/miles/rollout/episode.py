@@ -16,6 +16,7 @@ Every failure ends as a sample status with a reason, never as an exception out o
 | several weight versions, policy regenerate, out of attempts | ABORTED | version_span      |
 | the reward function raised                      | ABORTED   | reward_error             |
 | the session could not be assembled (422)        | FAILED    | sample_assembly_failed   |
+| its worker died (counted by the worker that reclaims the prompt) | ABORTED | worker_lost |
 
 The session is deleted in every case (retried within the budget; its TTL is the last resort), also when the
 episode is cancelled. Samples of a failed agent keep whatever the session recorded (for inspection), marked
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -41,6 +43,11 @@ from miles.rollout.ledger import SessionLedger
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.rewards import EpisodeToScore, Scorer
 from miles.rollout.sessions import SessionClient, SessionHandle
+
+log = logging.getLogger(__name__)
+
+WORKER_LOST = "worker_lost"
+"""Reason of the episodes a dead worker had in flight (counted by the worker that reclaims their prompt)."""
 
 
 @dataclass(frozen=True)
@@ -170,11 +177,21 @@ class EpisodeRunner:
         return True
 
     async def reap_orphans(self, seq: int) -> int:
-        """Deletes the sessions a dead worker left for seq (see ledger.py); returns how many were deleted."""
+        """Deletes the sessions a dead worker left for seq (see ledger.py); returns how many were deleted.
+
+        Each is an episode that worker had in flight: it is counted as ABORTED with reason `worker_lost` (the dead
+        worker could not record it, and its group is regenerated from the reclaimed prompt)."""
         if self.ledger is None:
             return 0
+        orphans = await self.ledger.take_orphans(seq)
+        if orphans:
+            self.metrics.episodes.labels(status="ABORTED", reason=WORKER_LOST).inc(len(orphans))
+            log.warning(
+                "episodes of a dead worker aborted",
+                extra={"seq": seq, "num_episodes": len(orphans), "reason": WORKER_LOST},
+            )
         deleted = 0
-        for handle in await self.ledger.take_orphans(seq):
+        for handle in orphans:
             deleted += await self._delete(handle, None)
         self.metrics.orphan_sessions_deleted.labels(cause="reclaim").inc(deleted)
         return deleted
