@@ -155,19 +155,30 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     stop_gateway(running)
 
 
-@pytest.fixture
-def start_gateway_process(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
-    """start_gateway_process(**settings): a gateway of the test's own (stopped after the test)."""
+def _gateway_starter(make_dir: Callable[[], Path]) -> Iterator[Callable[..., Gateway]]:
     started: list[Gateway] = []
 
     def start(**settings: str) -> Gateway:
-        running = start_gateway(tmp_path, **settings)
+        running = start_gateway(make_dir(), **settings)
         started.append(running)
         return running
 
     yield start
     for running in started:
         stop_gateway(running)
+
+
+@pytest.fixture
+def start_gateway_process(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
+    """start_gateway_process(**settings): a gateway of the test's own (stopped after the test). Every gateway a
+    test starts shares tmp_path's state dir, so that a restart finds what its predecessor left."""
+    yield from _gateway_starter(lambda: tmp_path)
+
+
+@pytest.fixture(scope="module")
+def start_module_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Gateway]]:
+    """start_module_gateway(**settings): a gateway shared by the tests of one module (stopped after them)."""
+    yield from _gateway_starter(lambda: tmp_path_factory.mktemp("gateway"))
 
 
 @pytest.fixture

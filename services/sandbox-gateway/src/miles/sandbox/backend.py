@@ -12,9 +12,11 @@ asked for), a private writable work dir, a bounded wall-clock time per exec, and
 gateway never runs a command unsandboxed: a backend that cannot start refuses at start-up.
 
 local (bubblewrap + setpriv + rlimits + cgroups) does NOT protect against:
-- Kernel exploits. Sandboxes share the host kernel and no seccomp filter is installed: every system call is
-  reachable. Inside a sandbox, unprivileged user namespaces are available when the host allows them (set
-  `user.max_user_namespaces=0` on the host, or use the Kubernetes backend with gVisor, if that matters).
+- Kernel exploits. Sandboxes share the host kernel. A seccomp filter refuses the system calls most exploits
+  start from (new or nested namespaces, mounts, bpf, perf events, userfaultfd, io_uring, keyrings, ptrace,
+  module loading, kexec, 32-bit system calls; local/seccomp.py), but it is a deny list: every other system call
+  — file systems, sockets, memory management, and calls added to kernels after the list was written — stays
+  reachable, and a bug there is a way out. Use the Kubernetes backend with gVisor if that matters.
 - Reading what the template mounts. The template's system_paths (default /usr, /etc, ...) are visible
   read-only; anything world-readable there (e.g. files in /etc) is readable. /etc/shadow is not (mode 0640).
 - Disk exhaustion. Each file is bounded by max_file_bytes, but not the number of files or the work dir's
@@ -37,8 +39,8 @@ local (bubblewrap + setpriv + rlimits + cgroups) does NOT protect against:
   the sandbox's limits and dies with the sandbox.
 - Side channels (timing, cache, Spectre-class) and denial of service through shared kernel resources.
 - Information in /proc of its own sandbox: processes of concurrent execs of the same sandbox can see (and,
-  running as the same uid, signal or ptrace) each other. Sandboxes are isolated from each other, execs of one
-  sandbox are not.
+  running as the same uid, signal) each other; ptrace and process_vm_* are refused by the filter. Sandboxes are
+  isolated from each other, execs of one sandbox are not.
 
 kubernetes (Pod + securityContext + NetworkPolicy, optionally gVisor) does NOT protect against:
 - Anything the cluster does not enforce: NetworkPolicy needs a CNI that implements it (without one, pods have

@@ -13,7 +13,12 @@ from miles.common.errors import (
 
 
 class SandboxNotFoundError(NotFoundError):
-    """No live sandbox has this id (never created, destroyed or reaped)."""
+    """No live sandbox has this id (never created, destroyed or reaped), or none the caller may see."""
+
+    @classmethod
+    def of(cls, sandbox_id: str) -> SandboxNotFoundError:
+        """The one answer for an id the caller cannot use, whether it never existed or is another job's."""
+        return cls(f"no sandbox {sandbox_id!r} (never created, destroyed or reaped)", field="sandbox_id")
 
 
 class InvalidSandboxRequestError(InvalidArgumentError):

@@ -160,13 +160,21 @@ class SandboxGateway:
     def _record(self, sandbox_id: str) -> _Record:
         record = self._records.get(sandbox_id)
         if record is None:
-            message = f"no sandbox {sandbox_id!r} (never created, destroyed or reaped)"
-            raise SandboxNotFoundError(message, field="sandbox_id")
+            raise SandboxNotFoundError.of(sandbox_id)
         return record
 
     def ensure_exists(self, sandbox_id: str) -> None:
         """Raise SandboxNotFoundError unless the sandbox is live."""
         self._record(sandbox_id)
+
+    def job_of(self, sandbox_id: str) -> str | None:
+        """The job_id a live sandbox was created for (None: no such live sandbox)."""
+        record = self._records.get(sandbox_id)
+        return record.job_id if record is not None else None
+
+    def live_job_ids(self) -> set[str]:
+        """The jobs that have live sandboxes or Creates in flight."""
+        return {record.job_id for record in self._records.values()} | set(self._creating)
 
     def _touch(self, record: _Record) -> None:
         record.last_used_s = self.clock()

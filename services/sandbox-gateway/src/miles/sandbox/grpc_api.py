@@ -1,6 +1,9 @@
 """gRPC transport (miles.sandbox.v1.SandboxService): parse the proto, call the core, build the response.
 
-Errors are raised as MilesError subclasses and mapped to status codes by miles.common's interceptor.
+Errors are raised as MilesError subclasses and mapped to status codes by miles.common's interceptor. Every RPC
+first checks the caller's `authorization: Bearer <token>` metadata against the ids it names (access.py):
+UNAUTHENTICATED without a token, PERMISSION_DENIED for one not accepted, NOT_FOUND (Destroy: destroyed=false) for
+another job's sandbox. Health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from miles.proto.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
+from miles.sandbox.access import SandboxAccess
 from miles.sandbox.errors import InvalidSandboxRequestError
 from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.models import (
@@ -127,13 +131,23 @@ def info_to_proto(info: SandboxInfo) -> sandbox_pb2.SandboxInfo:
     )
 
 
+def authorization_of(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's `authorization` metadata value (None when absent)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return value
+    return None
+
+
 class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
-    def __init__(self, gateway: SandboxGateway) -> None:
+    def __init__(self, gateway: SandboxGateway, access: SandboxAccess) -> None:
         self.gateway = gateway
+        self.access = access
 
     async def Create(
         self, request: sandbox_pb2.CreateRequest, context: grpc.aio.ServicerContext
     ) -> sandbox_pb2.CreateResponse:
+        self.access.check_create(authorization_of(context), request.job_id)
         created = await self.gateway.create(create_params_from_proto(request))
         return sandbox_pb2.CreateResponse(
             sandbox_id=created.sandbox_id,
@@ -146,6 +160,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     async def Exec(
         self, request: sandbox_pb2.ExecRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[sandbox_pb2.ExecEvent]:
+        self.access.check_sandbox(authorization_of(context), request.sandbox_id)
         events = self.gateway.open_exec(request.sandbox_id, exec_params_from_proto(request))
         async with contextlib.aclosing(events):
             async for event in events:
@@ -154,12 +169,14 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     async def WriteFile(
         self, request: sandbox_pb2.WriteFileRequest, context: grpc.aio.ServicerContext
     ) -> sandbox_pb2.WriteFileResponse:
+        self.access.check_sandbox(authorization_of(context), request.sandbox_id)
         written = await self.gateway.write_file(request.sandbox_id, request.path, request.data, request.mode)
         return sandbox_pb2.WriteFileResponse(bytes_written=written)
 
     async def ReadFile(
         self, request: sandbox_pb2.ReadFileRequest, context: grpc.aio.ServicerContext
     ) -> sandbox_pb2.ReadFileResponse:
+        self.access.check_sandbox(authorization_of(context), request.sandbox_id)
         content = await self.gateway.read_file(request.sandbox_id, request.path, request.max_bytes)
         return sandbox_pb2.ReadFileResponse(
             data=content.data, size_bytes=content.size_bytes, truncated=content.truncated
@@ -168,10 +185,13 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     async def Destroy(
         self, request: sandbox_pb2.DestroyRequest, context: grpc.aio.ServicerContext
     ) -> sandbox_pb2.DestroyResponse:
-        return sandbox_pb2.DestroyResponse(destroyed=await self.gateway.destroy(request.sandbox_id))
+        # Another job's sandbox is left alone and answered like an unknown id: idempotent, and nothing revealed.
+        seen = self.access.sees_sandbox(authorization_of(context), request.sandbox_id)
+        return sandbox_pb2.DestroyResponse(destroyed=seen and await self.gateway.destroy(request.sandbox_id))
 
     async def List(
         self, request: sandbox_pb2.ListRequest, context: grpc.aio.ServicerContext
     ) -> sandbox_pb2.ListResponse:
+        self.access.check_list(authorization_of(context), request.job_id)
         infos = self.gateway.list_sandboxes(request.job_id)
         return sandbox_pb2.ListResponse(sandboxes=[info_to_proto(info) for info in infos])

@@ -14,6 +14,10 @@ mapping — unknown sandbox 404, invalid input 400 naming the field, oversized b
   GET    /v1/sandboxes/{id}/files?path=&max_bytes=  read -> raw bytes, X-Miles-File-Size, X-Miles-Truncated
   DELETE /v1/sandboxes/{id}                destroy   -> {"destroyed": bool} (idempotent)
 
+Every route needs `Authorization: Bearer <token>` unless the gateway runs open (access.py): 401 without a token,
+403 for a token that is not accepted, 404 (destroy: `destroyed: false`) for another job's sandbox. /healthz,
+/readyz and /metrics (the common app's) stay open.
+
 This is also the API the remote backend speaks to a provider (see remote_backend.py).
 """
 
@@ -23,13 +27,15 @@ import base64
 import binascii
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles.common.auth import AUTH_RESPONSES
 from miles.common.errors import MilesError
+from miles.sandbox.access import SandboxAccess
 from miles.sandbox.errors import FileTooLargeError, InvalidSandboxRequestError
 from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.models import (
@@ -46,6 +52,13 @@ from miles.sandbox.models import (
 )
 
 NDJSON = "application/x-ndjson"
+Authorization = Annotated[
+    str | None,
+    Header(description="`Bearer <token>`: the gateway's operator token, or the job's capability (sandbox_token)"),
+]
+NOT_FOUND_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: {"description": "No live sandbox with this id, or one of another job (a job's token cannot tell which)"}
+}
 
 
 class LimitsBody(BaseModel):
@@ -233,11 +246,12 @@ def _parse_mode(mode: str) -> int:
         raise InvalidSandboxRequestError(f"mode must be octal text such as 644, got {mode!r}", field="mode") from None
 
 
-def build_router(gateway: SandboxGateway) -> APIRouter:
-    router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+def build_router(gateway: SandboxGateway, access: SandboxAccess) -> APIRouter:
+    router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=AUTH_RESPONSES)
 
     @router.post("", status_code=201)
-    async def create_sandbox(body: CreateBody) -> CreateReply:
+    async def create_sandbox(body: CreateBody, authorization: Authorization = None) -> CreateReply:
+        access.check_create(authorization, body.job_id)
         created = await gateway.create(
             CreateParams(
                 job_id=body.job_id,
@@ -257,11 +271,15 @@ def build_router(gateway: SandboxGateway) -> APIRouter:
         )
 
     @router.get("")
-    async def list_sandboxes(job_id: str = "") -> dict[str, list[SandboxInfoBody]]:
+    async def list_sandboxes(job_id: str = "", authorization: Authorization = None) -> dict[str, list[SandboxInfoBody]]:
+        access.check_list(authorization, job_id)
         return {"sandboxes": [SandboxInfoBody.of(info) for info in gateway.list_sandboxes(job_id)]}
 
-    @router.post("/{sandbox_id}/exec", response_model=None)
-    async def exec_in_sandbox(sandbox_id: str, body: ExecBody) -> Response | ExecCollected:
+    @router.post("/{sandbox_id}/exec", response_model=None, responses=NOT_FOUND_RESPONSES)
+    async def exec_in_sandbox(
+        sandbox_id: str, body: ExecBody, authorization: Authorization = None
+    ) -> Response | ExecCollected:
+        access.check_sandbox(authorization, sandbox_id)
         params = ExecParams(
             argv=tuple(body.argv) if body.argv is not None else None,
             shell=body.shell,
@@ -275,21 +293,29 @@ def build_router(gateway: SandboxGateway) -> APIRouter:
             return await _collect(events)
         return StreamingResponse(_ndjson(events), media_type=NDJSON)
 
-    @router.put("/{sandbox_id}/files")
-    async def write_file(sandbox_id: str, request: Request, path: str, mode: str = "") -> dict[str, int]:
+    @router.put("/{sandbox_id}/files", responses=NOT_FOUND_RESPONSES)
+    async def write_file(
+        sandbox_id: str, request: Request, path: str, mode: str = "", authorization: Authorization = None
+    ) -> dict[str, int]:
+        access.check_sandbox(authorization, sandbox_id)
         gateway.ensure_exists(sandbox_id)  # 404 before reading a body for nothing
         data = await _read_body_capped(request, gateway.settings.max_write_bytes)
         written = await gateway.write_file(sandbox_id, path, data, _parse_mode(mode))
         return {"bytes_written": written}
 
-    @router.get("/{sandbox_id}/files")
-    async def read_file(sandbox_id: str, path: str, max_bytes: int = 0) -> Response:
+    @router.get("/{sandbox_id}/files", responses=NOT_FOUND_RESPONSES)
+    async def read_file(
+        sandbox_id: str, path: str, max_bytes: int = 0, authorization: Authorization = None
+    ) -> Response:
+        access.check_sandbox(authorization, sandbox_id)
         content = await gateway.read_file(sandbox_id, path, max_bytes)
         headers = {"X-Miles-File-Size": str(content.size_bytes), "X-Miles-Truncated": str(content.truncated).lower()}
         return Response(content.data, media_type="application/octet-stream", headers=headers)
 
     @router.delete("/{sandbox_id}")
-    async def destroy_sandbox(sandbox_id: str) -> JSONResponse:
-        return JSONResponse({"destroyed": await gateway.destroy(sandbox_id)})
+    async def destroy_sandbox(sandbox_id: str, authorization: Authorization = None) -> JSONResponse:
+        # Another job's sandbox is left alone and answered like an unknown id: idempotent, and nothing revealed.
+        destroyed = access.sees_sandbox(authorization, sandbox_id) and await gateway.destroy(sandbox_id)
+        return JSONResponse({"destroyed": destroyed})
 
     return router

@@ -18,6 +18,7 @@ from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
 from miles.proto.sandbox.v1 import sandbox_pb2_grpc
+from miles.sandbox.access import SandboxAccess
 from miles.sandbox.backend import make_backend
 from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.grpc_api import SERVICE_NAME, SandboxServicer
@@ -34,8 +35,11 @@ async def run(settings: SandboxSettings) -> None:
     metrics = Metrics(SERVICE)
     gateway = SandboxGateway(settings, make_backend(settings), SandboxMetrics(metrics))
     await gateway.start()
+    # Checked per call by the servicer and the routes (a job's capability depends on the ids a call names), not by
+    # the common interceptor's BearerAuth; health, reflection and the probes stay open.
+    access = SandboxAccess(settings.operator_token.get_secret_value(), gateway)
     grpc_server = build_grpc_server(
-        servicers=[(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, SandboxServicer(gateway))],
+        servicers=[(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, SandboxServicer(gateway, access))],
         service_names=[SERVICE_NAME],
         metrics=metrics,
         host=settings.host,
@@ -44,7 +48,7 @@ async def run(settings: SandboxSettings) -> None:
         max_message_bytes=max(settings.max_write_bytes, settings.max_read_bytes) + GRPC_HEADROOM_BYTES,
     )
     app = create_http_app(service=SERVICE, metrics=metrics, title="miles sandbox-gateway")
-    app.include_router(build_router(gateway))
+    app.include_router(build_router(gateway, access))
     await serve_async(
         http_app=app,
         http_host=settings.host,

@@ -1,11 +1,20 @@
 """How an exec ended (`ProcessOutcome`) and which limits it ran into (`classify_limits`), for every backend.
 
-Exact where the kernel tells us (cgroup OOM kills and refused forks, SIGXCPU, SIGXFSZ, our own timeout and
-output cap). Where it does not — no cgroup, a Kubernetes pod (exit codes only), or a program that handles the
-failure itself (Python turns a refused allocation into MemoryError) — a process that ended non-zero with a
-telltale message on stderr is flagged: a best-effort signal for the caller, never used for enforcement. A
-shell's 128+N exit code for a child killed by signal N counts like the signal. Cgroup counters are per sandbox,
-so a concurrent exec's hit shows too.
+Exact where the kernel or the gateway tells us: our own timeout and output cap, the sandbox's cgroup counters
+(OOM kills, refused forks), and the exec's own process killed by SIGXCPU, by SIGKILL past the hard CPU limit,
+or by SIGXFSZ (a shell's 128+N exit code for a child killed by signal N counts like the signal).
+Everything else comes from the last STDERR_TAIL_BYTES of stderr, best-effort and never used for enforcement:
+- what a shell (or any program using strsignal) prints when a child was killed by a limit's signal —
+  "CPU time limit exceeded", "File size limit exceeded" — and what programs print when a limit refused them —
+  "File too large" (EFBIG), Python's MemoryError, a shell's "Cannot fork". These count even when the exec
+  succeeded: the shell that reported the death carried on.
+- generic errors that other causes produce too ("Cannot allocate memory", EAGAIN from fork in Python): these
+  count only when the exec failed.
+
+Not detected: a limit hit by a process whose parent handles the failure silently — Python's subprocess
+returning -24 or -25 for a child, a program that catches EFBIG or MemoryError and exits 0 without a word.
+Where no cgroup is usable (or on a Kubernetes pod, which reports exit codes only) memory and processes rely on
+the messages alone. Cgroup counters are per sandbox, so a concurrent exec's hit shows too.
 """
 
 from __future__ import annotations
@@ -15,9 +24,18 @@ from dataclasses import dataclass
 
 from miles.sandbox.models import LimitKind, Limits
 
-_MEMORY_MESSAGES = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
-_FORK_MESSAGES = (b"fork: retry", b"fork: Resource temporarily unavailable", b"can't fork")
-_FILE_SIZE_MESSAGES = (b"File too large",)
+# Printed only when a limit refused something, or a limit's signal killed a process (strsignal's text).
+_LIMIT_MESSAGES: dict[LimitKind, tuple[bytes, ...]] = {
+    LimitKind.CPU: (b"CPU time limit exceeded",),
+    LimitKind.MEMORY: (b"MemoryError", b"std::bad_alloc"),
+    LimitKind.PROCESSES: (b"fork: retry", b"fork: Resource temporarily unavailable", b"can't fork", b"Cannot fork"),
+    LimitKind.FILE_SIZE: (b"File size limit exceeded", b"File too large"),
+}
+# Printed for other reasons too: counted only when the exec failed.
+_FAILURE_MESSAGES: dict[LimitKind, tuple[bytes, ...]] = {
+    LimitKind.MEMORY: (b"Cannot allocate memory", b"out of memory"),
+    LimitKind.PROCESSES: (b"BlockingIOError: [Errno 11]",),
+}
 
 
 @dataclass(frozen=True)
@@ -39,13 +57,18 @@ def _ended_by(outcome: ProcessOutcome, signum: int) -> bool:
     return outcome.signal == signum or outcome.exit_code == 128 + signum
 
 
+def _reported(outcome: ProcessOutcome, kind: LimitKind) -> bool:
+    tail = outcome.stderr_tail
+    if any(message in tail for message in _LIMIT_MESSAGES.get(kind, ())):
+        return True
+    return outcome.exit_code != 0 and any(message in tail for message in _FAILURE_MESSAGES.get(kind, ()))
+
+
 def classify_limits(
     outcome: ProcessOutcome, limits: Limits, *, oom_killed: bool = False, fork_refused: bool = False
 ) -> tuple[LimitKind, ...]:
     """The limits an exec hit. oom_killed / fork_refused: what the sandbox's cgroups counted during it."""
     hit: list[LimitKind] = []
-    failed = outcome.exit_code != 0
-    tail = outcome.stderr_tail
     if outcome.timed_out:
         hit.append(LimitKind.TIMEOUT)
     killed_by_hard_cpu_limit = (
@@ -54,13 +77,13 @@ def classify_limits(
         and not outcome.output_capped
         and outcome.cpu_s >= limits.cpu_s
     )
-    if _ended_by(outcome, signal.SIGXCPU) or killed_by_hard_cpu_limit:
+    if _ended_by(outcome, signal.SIGXCPU) or killed_by_hard_cpu_limit or _reported(outcome, LimitKind.CPU):
         hit.append(LimitKind.CPU)
-    if oom_killed or (failed and any(message in tail for message in _MEMORY_MESSAGES)):
+    if oom_killed or _reported(outcome, LimitKind.MEMORY):
         hit.append(LimitKind.MEMORY)
-    if fork_refused or any(message in tail for message in _FORK_MESSAGES):
+    if fork_refused or _reported(outcome, LimitKind.PROCESSES):
         hit.append(LimitKind.PROCESSES)
-    if _ended_by(outcome, signal.SIGXFSZ) or any(message in tail for message in _FILE_SIZE_MESSAGES):
+    if _ended_by(outcome, signal.SIGXFSZ) or _reported(outcome, LimitKind.FILE_SIZE):
         hit.append(LimitKind.FILE_SIZE)
     if outcome.output_capped:
         hit.append(LimitKind.OUTPUT)

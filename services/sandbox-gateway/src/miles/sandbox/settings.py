@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
+from miles.common.auth import check_token_setting
 from miles.common.settings import ServiceSettings, service_config
 
 MiB = 1024 * 1024
@@ -151,6 +152,12 @@ class SandboxSettings(ServiceSettings):
     metrics_port: int = 51054
     """HTTP port: the HTTP facade (/v1/sandboxes ...) plus /healthz, /readyz and /metrics."""
 
+    operator_token: SecretStr = SecretStr("")
+    """Bearer token of the control API (HTTP /v1/sandboxes and every SandboxService RPC); it opens every job's
+    sandboxes and is held by the controller. Each job gets job_capability(operator_token, "sandbox", job_id) from
+    the controller, which opens only that job's sandboxes. Required (32+ characters) when host is not a loopback
+    address; empty on loopback leaves the API open (development). /healthz, /readyz and /metrics stay open."""
+
     backend: Literal["local", "kubernetes", "remote"] = "local"
     """Where sandboxes run: local bubblewrap, Kubernetes pods, or a remote provider."""
 
@@ -237,6 +244,13 @@ class SandboxSettings(ServiceSettings):
 
     # Field validators (not one model validator) so that a refusal names its field; each only looks at fields
     # declared above it.
+    @field_validator("operator_token")
+    @classmethod
+    def _operator_token_guards_a_network_bind(cls, token: SecretStr, info: ValidationInfo) -> SecretStr:
+        if "host" in info.data:  # else host itself was refused, which already stops start-up
+            check_token_setting(token.get_secret_value(), host=info.data["host"], field="operator_token")
+        return token
+
     @field_validator("templates")
     @classmethod
     def _templates_within_max_limits(cls, templates: dict[str, SandboxTemplate], info: ValidationInfo) -> Any:

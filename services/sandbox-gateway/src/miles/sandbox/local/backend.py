@@ -33,14 +33,16 @@ from miles.sandbox.local.bwrap import (
     KEEPER_COMMAND,
     READY_LINE,
     HostTools,
+    enter_spec,
     exec_argv,
     exec_limits,
     find_host_tools,
     keeper_options,
 )
 from miles.sandbox.local.cgroups import CgroupCounters, CgroupManager, SandboxCgroup
-from miles.sandbox.local.keeper import Keeper, start_keeper
+from miles.sandbox.local.keeper import Keeper, pipe_holding, start_keeper
 from miles.sandbox.local.processes import stream_process
+from miles.sandbox.local.seccomp import build_filter
 from miles.sandbox.local.uids import UidPool, kill_uid_processes
 from miles.sandbox.models import ExecEvent, ExecResult, ExecSpec, FileContent, OutputChunk, SandboxSpec
 from miles.sandbox.outcome import ProcessOutcome, classify_limits
@@ -61,14 +63,7 @@ class _LocalSandbox:
     uid: int | None
     cgroup: SandboxCgroup | None
     keeper: Keeper | None = None
-    active_execs: int = 0
     destroyed: bool = False
-
-    def refresh_pids_limit(self) -> None:
-        # Each running exec has one helper (nsenter, root) inside the pids cgroup besides the sandbox's own.
-        if self.cgroup is not None and not self.destroyed:
-            with contextlib.suppress(OSError):
-                self.cgroup.set_pids_limit(self.spec.limits.max_processes + self.active_execs)
 
 
 class LocalBackend:
@@ -86,6 +81,7 @@ class LocalBackend:
         self.state_dir = Path(settings.state_dir) if settings.state_dir else None
         self._owns_state_dir = False
         self._sandboxes: dict[str, _LocalSandbox] = {}
+        self.seccomp_program = build_filter()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -110,6 +106,12 @@ class LocalBackend:
             self.cgroups = CgroupManager.detect()
         if self.settings.cgroup_mode == "require" and not self.cgroups.has_memory:
             raise BackendUnusableError("cgroup_mode 'require': no usable memory cgroup here", field="cgroup_mode")
+        if self.userns and not self.tools.bwrap_disables_userns:
+            log.warning(
+                "bwrap has no --disable-userns (bubblewrap before 0.8.0): only the seccomp filter keeps sandboxes "
+                "from creating user namespaces; install bubblewrap 0.8.0 or later for the second barrier",
+                extra={"bwrap": self.tools.bwrap},
+            )
         await self._preflight()
         log.info(
             "local sandbox backend ready",
@@ -117,6 +119,8 @@ class LocalBackend:
                 "privilege_mode": mode,
                 "cgroup_controllers": sorted(self.cgroups.controllers),
                 "state_dir": str(self.state_dir),
+                "seccomp_filter_instructions": len(self.seccomp_program) // 8,
+                "disable_userns": self.userns and self.tools.bwrap_disables_userns,
             },
         )
 
@@ -179,13 +183,18 @@ class LocalBackend:
             if self.cgroups.controllers:
                 sandbox.cgroup = self.cgroups.create(sandbox_id)
                 self._apply_cgroup_limits(sandbox)
-            options_for_info_fd = functools.partial(
-                keeper_options, spec=spec, work_dir=sandbox.work_dir, userns=self.userns
+            options = functools.partial(
+                keeper_options,
+                spec=spec,
+                work_dir=sandbox.work_dir,
+                userns=self.userns,
+                disable_userns=self.userns and self.tools.bwrap_disables_userns,
             )
             sandbox.keeper = await start_keeper(
                 self.tools.bwrap,
-                lambda info_fd: options_for_info_fd(info_fd=info_fd),
+                lambda info_fd, seccomp_fd: options(info_fd=info_fd, seccomp_fd=seccomp_fd),
                 KEEPER_COMMAND,
+                seccomp_program=self.seccomp_program,
                 env=CHAIN_ENV,
                 ready_line=READY_LINE,
                 timeout_s=self.settings.startup_timeout_s,
@@ -202,7 +211,8 @@ class LocalBackend:
         assert sandbox.cgroup is not None
         try:
             sandbox.cgroup.set_memory_limit(sandbox.spec.limits.memory_bytes)
-            sandbox.refresh_pids_limit()
+            # Only the exec's own processes join the cgroups (enter.py's waiting parent stays outside).
+            sandbox.cgroup.set_pids_limit(sandbox.spec.limits.max_processes)
         except OSError as exc:
             raise SandboxStartFailedError(f"could not set the sandbox's cgroup limits: {exc}") from exc
 
@@ -239,25 +249,24 @@ class LocalBackend:
             pids_cgroup=cgroup is not None and cgroup.has_pids,
             address_space_factor=self.settings.address_space_factor,
         )
-        argv = exec_argv(
-            self.tools,
+        entering = enter_spec(
             keeper_pid=sandbox.keeper.namespace_pid,
-            spec=spec,
             rlimits=rlimits,
-            uid=sandbox.uid,
+            userns=self.userns,
             cgroup_procs_files=cgroup.procs_files if cgroup is not None else (),
+            seccomp_program=self.seccomp_program,
         )
         before = cgroup.counters() if cgroup is not None else CgroupCounters()
-        sandbox.active_execs += 1
-        sandbox.refresh_pids_limit()
         outcome: ProcessOutcome | None = None
+        spec_fd = pipe_holding(entering.encode())
         try:
             process_events = stream_process(
-                argv,
+                exec_argv(self.tools, spec_fd=spec_fd, spec=spec, uid=sandbox.uid),
                 env=CHAIN_ENV,
                 stdin=spec.stdin,
                 timeout_s=spec.timeout_s,
                 max_output_bytes=spec.limits.max_output_bytes,
+                pass_fds=(spec_fd,),
             )
             async with contextlib.aclosing(process_events):
                 async for item in process_events:
@@ -266,8 +275,7 @@ class LocalBackend:
                     else:
                         outcome = item
         finally:
-            sandbox.active_execs -= 1
-            sandbox.refresh_pids_limit()
+            os.close(spec_fd)
         assert outcome is not None
         after = cgroup.counters() if cgroup is not None else CgroupCounters()
         yield ExecResult(

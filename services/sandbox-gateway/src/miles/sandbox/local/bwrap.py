@@ -4,22 +4,28 @@ that runs one exec inside them.
 A sandbox is one long-lived bwrap process tree (the keeper: bwrap's init as pid 1 of a new pid namespace and
 a `sleep`), with new mount, pid, net, ipc and uts namespaces, a root made of read-only binds of the template's
 system paths, a minimal /dev, a private /proc, a size-bounded tmpfs /tmp and the sandbox's work dir bound
-read-write. The keeper runs with every capability dropped and `--die-with-parent`: if the gateway dies, its
-sandboxes die with it.
+read-write. The keeper runs with every capability dropped, the sandbox's seccomp filter (seccomp.py, through
+`--seccomp FD`) and `--die-with-parent`: if the gateway dies, its sandboxes die with it.
 
 An exec is a chain of exec()s, each doing one thing, started by `processes.stream_process`:
 
-  [sh: join the sandbox's cgroups] -> prlimit (rlimits) -> nsenter (the keeper's namespaces and root; forks
-  into the pid namespace) -> setpriv (setuid mode: the sandbox's own uid, no groups, no capabilities, empty
-  bounding set; both modes: no_new_privs) -> env -i (clean environment, cwd) -> the command
+  python enter.py (join the sandbox's cgroups and the keeper's namespaces and root; fork into the pid
+  namespace; rlimits; the seccomp filter) -> setpriv (setuid mode: the sandbox's own uid, no groups, no
+  capabilities, empty bounding set; both modes: no_new_privs) -> env -i (clean environment, cwd) -> the command
 
-Everything before setpriv runs as root (setuid mode) with a fixed minimal environment: the caller's env is
-applied only by the final `env -i`, after privileges are gone, so variables such as LD_PRELOAD cannot reach a
-privileged step. setpriv, env and sh are the sandbox's own (from the template's read-only system paths).
+enter.py replaces nsenter and prlimit: a process that joins namespaces does not inherit the keeper's filter,
+so each exec installs it itself, after its setns() calls (see enter.py). Everything before setpriv runs as root
+(setuid mode) with a fixed minimal environment: the caller's env is applied only by the final `env -i`, after
+privileges are gone, so variables such as LD_PRELOAD cannot reach a privileged step. setpriv, env and sh are
+the sandbox's own (from the template's read-only system paths); python and enter.py are the gateway's.
 
-userns mode (unprivileged gateway): the keeper also gets a user namespace mapping the gateway's uid to itself;
-nsenter joins it. /dev is built from individual device binds (not bwrap's --dev, whose devpts setup makes bwrap
-nest a second user namespace that nsenter could not join).
+userns mode (unprivileged gateway): the keeper also gets a user namespace mapping the gateway's uid to itself,
+and `--disable-userns` where bwrap has it (0.8.0 and later): bwrap then sets user.max_user_namespaces to 1 in
+that namespace and nests a second one for the sandbox, so nothing inside can create another user namespace
+even past the filter. (setuid mode has no user namespace to limit, and bwrap's --assert-userns-disabled would
+fail there: it probes before the filter is installed, as root; the filter alone refuses them.) /dev is built
+from individual device binds (not bwrap's --dev, whose devpts setup makes bwrap map the gateway's uid to root in
+the outer of two nested user namespaces).
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles.sandbox.errors import BackendUnusableError
+from miles.sandbox.local.enter import EnterSpec
 from miles.sandbox.models import ExecSpec, SandboxSpec
 
 INSTALL_HINT = (
@@ -42,20 +51,29 @@ READY_LINE = b"miles-sandbox-ready"
 CHAIN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 _DEV_LINKS = (("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"), ("/proc/self/fd/1", "/dev/stdout"))
+ENTER_SCRIPT = str(Path(__file__).with_name("enter.py"))
 
 
 @dataclass(frozen=True)
 class HostTools:
-    """Absolute paths of the host binaries the local backend runs (resolved once, at start-up)."""
+    """What the local backend runs on the host, resolved once at start-up."""
 
     bwrap: str
-    nsenter: str
-    prlimit: str
-    sh: str
+    python: str  # the gateway's own interpreter; it runs ENTER_SCRIPT for each exec
+    bwrap_disables_userns: bool  # bwrap has --disable-userns (0.8.0 and later)
+
+
+def _bwrap_options(bwrap: str) -> str:
+    """bwrap's --help text (its list of options), or BackendUnusableError."""
+    try:
+        finished = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BackendUnusableError(f"could not run {bwrap} --help: {exc}", field="bwrap_path") from None
+    return finished.stdout + finished.stderr
 
 
 def find_host_tools(bwrap_path: str) -> HostTools:
-    """Resolve bwrap and util-linux tools, or raise BackendUnusableError saying how to install them."""
+    """Resolve bwrap and check what it supports, or raise BackendUnusableError saying how to install it."""
     bwrap = shutil.which(bwrap_path)
     if bwrap is None:
         raise BackendUnusableError(
@@ -63,13 +81,22 @@ def find_host_tools(bwrap_path: str) -> HostTools:
             "never runs commands unsandboxed; use backend 'kubernetes' or 'remote' where bubblewrap cannot exist.",
             field="bwrap_path",
         )
-    found: dict[str, str] = {}
-    for name in ("nsenter", "prlimit", "setpriv", "sh"):
-        path = shutil.which(name, path=CHAIN_ENV["PATH"])
-        if path is None:
-            raise BackendUnusableError(f"{name} was not found on the host: `apt-get install -y util-linux` provides it")
-        found[name] = path
-    return HostTools(bwrap=bwrap, nsenter=found["nsenter"], prlimit=found["prlimit"], sh=found["sh"])
+    options = _bwrap_options(bwrap)
+    if "--seccomp" not in options:
+        raise BackendUnusableError(f"{bwrap} has no --seccomp option (too old): {INSTALL_HINT}", field="bwrap_path")
+    if shutil.which("setpriv", path=CHAIN_ENV["PATH"]) is None:
+        raise BackendUnusableError("setpriv was not found on the host: `apt-get install -y util-linux` provides it")
+    return HostTools(bwrap=bwrap, python=_runnable_python(), bwrap_disables_userns="--disable-userns" in options)
+
+
+def _runnable_python() -> str:
+    """An interpreter this process may exec for enter.py (standard library only, Python 3.9 or later): its own,
+    else python3 on CHAIN_ENV's PATH. sys.executable can be a link this uid may not follow, e.g. a virtualenv
+    made by root for a gateway started as another uid."""
+    for candidate in (sys.executable, shutil.which("python3", path=CHAIN_ENV["PATH"])):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise BackendUnusableError(f"the gateway cannot execute its own interpreter ({sys.executable}) nor python3")
 
 
 def system_path_args(paths: Sequence[str]) -> list[str]:
@@ -95,17 +122,21 @@ def dev_args(shm_bytes: int) -> list[str]:
 KEEPER_COMMAND = ["/bin/sh", "-c", f"echo {READY_LINE.decode()} && exec sleep infinity"]
 
 
-def keeper_options(*, spec: SandboxSpec, work_dir: Path, userns: bool, info_fd: int) -> list[str]:
+def keeper_options(
+    *, spec: SandboxSpec, work_dir: Path, userns: bool, disable_userns: bool, info_fd: int, seccomp_fd: int
+) -> list[str]:
     """bwrap's options for one sandbox's keeper (KEEPER_COMMAND prints READY_LINE once all is set up).
 
     They reach bwrap through `--args FD`, not its command line: the sandbox can read its pid 1's cmdline, and
-    host paths (the work dir's) are none of its business.
+    host paths (the work dir's) are none of its business. seccomp_fd: a pipe holding the filter program.
     """
     argv: list[str] = []
     if userns:
         argv.append("--unshare-user")
+        if disable_userns:
+            argv.append("--disable-userns")
     argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--hostname", "sandbox"]
-    argv += ["--die-with-parent", "--cap-drop", "ALL"]
+    argv += ["--die-with-parent", "--cap-drop", "ALL", "--seccomp", str(seccomp_fd)]
     argv += system_path_args(spec.template.system_paths)
     argv += dev_args(spec.template.tmp_bytes)
     argv += ["--proc", "/proc", "--perms", "1777", "--size", str(spec.template.tmp_bytes), "--tmpfs", "/tmp"]
@@ -137,35 +168,35 @@ def exec_limits(spec: ExecSpec, *, memory_cgroup: bool, pids_cgroup: bool, addre
     )
 
 
-def exec_argv(
-    tools: HostTools,
+def enter_spec(
     *,
     keeper_pid: int,
-    spec: ExecSpec,
     rlimits: ExecLimits,
-    uid: int | None,
+    userns: bool,
     cgroup_procs_files: Sequence[str],
-) -> list[str]:
-    """The chain that runs spec.argv inside the sandbox whose keeper is keeper_pid (uid None = userns mode)."""
-    argv: list[str] = []
-    if cgroup_procs_files:
-        count = len(cgroup_procs_files)
-        joins = " && ".join(f'echo 0 > "${index + 1}"' for index in range(count))
-        argv += [tools.sh, "-c", f'{joins} && shift {count} && exec "$@"', "sh", *cgroup_procs_files]
-    argv += [
-        tools.prlimit,
-        f"--cpu={rlimits.cpu_s}:{rlimits.cpu_s + 1}",
-        f"--as={rlimits.address_space_bytes}",
-        f"--nproc={rlimits.max_processes}",
-        f"--nofile={rlimits.max_open_files}",
-        f"--fsize={rlimits.max_file_bytes}",
-        "--core=0",
-        "--",
-    ]
-    argv += [tools.nsenter, f"--target={keeper_pid}", "--mount", "--uts", "--ipc", "--net", "--pid", "--root", "--wd"]
-    if uid is None:
-        argv += ["--user", "--preserve-credentials"]
-    argv += ["--", "setpriv"]
+    seccomp_program: bytes,
+) -> EnterSpec:
+    """What enter.py needs to start an exec in the sandbox whose keeper is keeper_pid."""
+    cpu_s, address_space, processes = rlimits.cpu_s, rlimits.address_space_bytes, rlimits.max_processes
+    return EnterSpec(
+        keeper_pid=keeper_pid,
+        userns=userns,
+        cgroup_procs_files=cgroup_procs_files,
+        rlimits={
+            "RLIMIT_CPU": (cpu_s, cpu_s + 1),  # SIGXCPU at the limit, SIGKILL a second later
+            "RLIMIT_AS": (address_space, address_space),
+            "RLIMIT_NPROC": (processes, processes),
+            "RLIMIT_NOFILE": (rlimits.max_open_files, rlimits.max_open_files),
+            "RLIMIT_FSIZE": (rlimits.max_file_bytes, rlimits.max_file_bytes),
+            "RLIMIT_CORE": (0, 0),
+        },
+        seccomp_program=seccomp_program,
+    )
+
+
+def exec_argv(tools: HostTools, *, spec_fd: int, spec: ExecSpec, uid: int | None) -> list[str]:
+    """The chain that runs spec.argv; enter.py reads its EnterSpec from spec_fd (uid None = userns mode)."""
+    argv = [tools.python, "-I", "-S", ENTER_SCRIPT, str(spec_fd), "--", "setpriv"]
     if uid is not None:
         argv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
     argv += ["--no-new-privs", "--", "env", "-i", f"--chdir={spec.cwd}", "--"]

@@ -60,23 +60,46 @@ async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTrans
     return reader, transport
 
 
+def pipe_holding(data: bytes) -> int:
+    """The read end of a pipe that holds data and then ends.
+
+    data must fit the pipe's buffer (64 KiB; 8 KiB for a user past fs.pipe-user-pages-soft): the write end is
+    non-blocking, so data that does not fit raises OSError instead of blocking forever.
+    """
+    read_fd, write_fd = os.pipe()
+    try:
+        os.set_blocking(write_fd, False)
+        written = os.write(write_fd, data)
+        if written != len(data):
+            raise OSError(f"a pipe took {written} of {len(data)} bytes")
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return read_fd
+
+
 async def start_keeper(
     bwrap: str,
-    options_for_info_fd: Callable[[int], list[str]],
+    options_for_fds: Callable[[int, int], list[str]],
     command: list[str],
     *,
+    seccomp_program: bytes,
     env: Mapping[str, str],
     ready_line: bytes,
     timeout_s: float,
 ) -> Keeper:
-    """Spawn the keeper; return once it printed `ready_line`, else kill it and raise SandboxStartFailedError."""
+    """Spawn the keeper; return once it printed `ready_line`, else kill it and raise SandboxStartFailedError.
+
+    options_for_fds(info_fd, seccomp_fd) gives bwrap's options; seccomp_fd holds seccomp_program.
+    """
     info_r, info_w = os.pipe()
     out_r, out_w = os.pipe()
-    args_r, args_w = os.pipe()
-    options = options_for_info_fd(info_w)
+    seccomp_r = pipe_holding(seccomp_program)
     # Options go through a pipe (bwrap --args FD), so they never show in the sandbox's view of pid 1.
-    os.write(args_w, b"".join(option.encode() + b"\0" for option in options))
-    os.close(args_w)
+    options = options_for_fds(info_w, seccomp_r)
+    args_r = pipe_holding(b"".join(option.encode() + b"\0" for option in options))
     try:
         # Spawned on the event loop thread on purpose: bwrap's --die-with-parent watches the spawning thread.
         process = subprocess.Popen(  # noqa: ASYNC220
@@ -84,7 +107,7 @@ async def start_keeper(
             stdin=subprocess.DEVNULL,
             stdout=out_w,
             stderr=out_w,
-            pass_fds=(info_w, args_r),
+            pass_fds=(info_w, args_r, seccomp_r),
             close_fds=True,
             start_new_session=True,
             env=dict(env),
@@ -94,9 +117,8 @@ async def start_keeper(
         os.close(out_r)
         raise
     finally:
-        os.close(info_w)
-        os.close(out_w)
-        os.close(args_r)
+        for fd in (info_w, out_w, args_r, seccomp_r):
+            os.close(fd)
     keeper = Keeper(process)
     transports: list[asyncio.BaseTransport] = []
     try:
