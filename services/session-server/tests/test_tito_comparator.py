@@ -41,8 +41,27 @@ def test_each_kind_is_classified(qwen3: TitoTokenizer) -> None:
     ]
     assert _kinds(qwen3, text, text.replace("Another?", "Another!")) == ["non_assistant_text"]
     assert _kinds(qwen3, text, text.replace("Blue.", "Blue!")) == ["assistant_text"]
-    assert not MismatchKind.ASSISTANT_TEXT.critical
-    assert all(kind.critical for kind in MismatchKind if kind is not MismatchKind.ASSISTANT_TEXT)
+    assert not MismatchKind.ASSISTANT_TEXT.critical and not MismatchKind.ASSISTANT_SPECIAL.critical
+    non_critical = (MismatchKind.ASSISTANT_TEXT, MismatchKind.ASSISTANT_SPECIAL)
+    assert all(kind.critical for kind in MismatchKind if kind not in non_critical)
+
+
+def test_a_boundary_token_the_engine_sampled_inside_a_completion_is_not_critical(qwen3: TitoTokenizer) -> None:
+    """Seen in a demo run: the policy wrote `<|im_start|>` in the middle of a (truncated) answer after a tool call;
+    a fresh render cannot align with it, yet the buffer is exactly what was sampled."""
+    text = qwen3.render(CONVERSATION)
+    completion_start = len(_ids(qwen3, text[: text.index("<think>")]))
+    degenerate = text.replace("Blue.", "Blue<|im_start|>0")
+    completion_end = len(_ids(qwen3, degenerate[: degenerate.index("<|im_end|>\n<|im_start|>user\nAnother")])) + 1
+    comparator = qwen3.comparator()
+    sampled = [(completion_start, completion_end)]
+    result = comparator.compare(_ids(qwen3, text), _ids(qwen3, degenerate), sampled_spans=sampled)
+    assert [m.kind for m in result.mismatches] == [MismatchKind.ASSISTANT_SPECIAL] and result.ok
+    unsampled = comparator.compare(_ids(qwen3, text), _ids(qwen3, degenerate))
+    assert [m.kind for m in unsampled.mismatches] == [MismatchKind.SPECIAL_TOKEN_COUNT] and not unsampled.ok
+    the_stop_token_only = [(completion_start, completion_start + 1)]
+    outside = comparator.compare(_ids(qwen3, text), _ids(qwen3, degenerate), sampled_spans=the_stop_token_only)
+    assert not outside.ok, "a boundary outside the sampled tokens stays critical"
 
 
 def test_a_different_tokenization_of_the_same_text_is_no_mismatch(qwen3: TitoTokenizer) -> None:
@@ -63,6 +82,7 @@ def test_results_become_session_metadata_and_prometheus_counters(qwen3: TitoToke
         "special_token_type": 0,
         "non_assistant_text": 0,
         "assistant_text": 1,
+        "assistant_special": 0,
     }
     assert metadata["num_critical"] == 0 and metadata["mismatches"][0]["expected_text"].endswith("Blue.")
 

@@ -231,19 +231,22 @@ class SessionCore:
         return state, records, await self.models.get(meta.model)
 
     @staticmethod
-    def _comparison(model: SessionModel, state: SessionState) -> ComparisonResult | None:
+    def _comparison(model: SessionModel, state: SessionState, records: list[TurnRecord]) -> ComparisonResult | None:
         """TITO's end-of-session check: the token buffer against a fresh render of the stored history."""
         if not state.token_ids:
             return None
         expected = model.tito.encode_messages(state.messages, tools=state.tools)
         # A last turn cut at max_tokens has no stop token yet (the next prompt would add it): compare without it.
         comparator = model.tito.comparator()
-        return comparator.compare(expected=expected, actual=state.token_ids, trim_ids=model.tito.stop_token_ids)
+        sampled = [(r.prompt_len, r.prompt_len + len(r.completion_ids)) for r in records]
+        return comparator.compare(
+            expected=expected, actual=state.token_ids, trim_ids=model.tito.stop_token_ids, sampled_spans=sampled
+        )
 
     async def describe(self, meta: SessionMeta) -> Json:
         """GET /v1/sessions/{id}: metadata, history, the token buffer, every record and the TITO check."""
         state, records, model = await self._load(meta)
-        comparison = await asyncio.to_thread(self._comparison, model, state)
+        comparison = await asyncio.to_thread(self._comparison, model, state, records)
         return {
             "session_id": meta.session_id,
             "job_id": meta.job_id,
@@ -310,7 +313,7 @@ class SessionCore:
             episode_id=meta.episode_id,
             placeholder_token_id=model.eos_token_id or 0,
         )
-        return samples, empty_reason, self._comparison(model, state)
+        return samples, empty_reason, self._comparison(model, state, records)
 
     async def warm_up(self) -> None:
         """Load the default model at start-up: a configured default that cannot load stops the process."""

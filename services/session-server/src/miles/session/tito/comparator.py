@@ -7,8 +7,11 @@ compare aligned specials by id (`special_token_type`) and content segments by de
 (`assistant_text` when the segment is assistant output in both sequences, else `non_assistant_text`).
 
 Severity: `assistant_text` is not critical - assistant tokens are what the engine sampled, and a canonical
-re-tokenisation (or a canonical re-serialisation of tool-call JSON) of the same turn may differ. The three other
-kinds mean TITO or the template produced a prompt the model would not get from a fresh render: critical.
+re-tokenisation (or a canonical re-serialisation of tool-call JSON) of the same turn may differ. Nor is
+`assistant_special`: the patterns differ and the engine itself sampled a boundary token inside a completion (a
+degenerate policy writing `<|im_start|>` mid-answer, text after a tool call): no fresh render can align with
+that, and the tokens trained on are still exactly those sampled. The three other kinds mean TITO or the template
+produced a prompt the model would not get from a fresh render: critical.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ class MismatchKind(StrEnum):
     SPECIAL_TOKEN_TYPE = "special_token_type"
     NON_ASSISTANT_TEXT = "non_assistant_text"
     ASSISTANT_TEXT = "assistant_text"
+    ASSISTANT_SPECIAL = "assistant_special"
 
     @property
     def critical(self) -> bool:
-        return self is not MismatchKind.ASSISTANT_TEXT
+        return self not in (MismatchKind.ASSISTANT_TEXT, MismatchKind.ASSISTANT_SPECIAL)
 
 
 @dataclass(frozen=True)
@@ -138,17 +142,24 @@ class TokenSeqComparator:
         return head.startswith(self._assistant_starts)
 
     def compare(
-        self, expected: Sequence[int], actual: Sequence[int], *, trim_ids: Iterable[int] = ()
+        self,
+        expected: Sequence[int],
+        actual: Sequence[int],
+        *,
+        trim_ids: Iterable[int] = (),
+        sampled_spans: Iterable[tuple[int, int]] = (),
     ) -> ComparisonResult:
-        """Compare `actual` (TITO ids) with `expected` (a fresh render's ids)."""
+        """Compare `actual` (TITO ids) with `expected` (a fresh render's ids). `sampled_spans` are the [start, end)
+        positions of `actual` the engine sampled (the completions)."""
         extra = frozenset(trim_ids)
         expected_segments = self._segments(self._trim(expected, extra))
         actual_segments = self._segments(self._trim(actual, extra))
         mismatches: list[Mismatch] = []
         if [s.special for s in expected_segments] != [s.special for s in actual_segments]:
+            sampled_boundary = self._sampled_boundary(actual, sampled_spans)
             mismatches.append(
                 Mismatch(
-                    MismatchKind.SPECIAL_TOKEN_COUNT,
+                    MismatchKind.SPECIAL_TOKEN_COUNT if sampled_boundary < 0 else MismatchKind.ASSISTANT_SPECIAL,
                     -1,
                     self._describe(expected_segments),
                     self._describe(actual_segments),
@@ -161,6 +172,14 @@ class TokenSeqComparator:
         for mismatch in mismatches:
             counts[mismatch.kind.value] = counts.get(mismatch.kind.value, 0) + 1
         return ComparisonResult(tuple(mismatches), len(expected), len(actual), counts)
+
+    def _sampled_boundary(self, actual: Sequence[int], sampled_spans: Iterable[tuple[int, int]]) -> int:
+        """Position of a boundary token the engine sampled before the last token of its completion (-1: none)."""
+        for start, end in sampled_spans:
+            for position in range(max(0, start), min(end - 1, len(actual))):
+                if actual[position] in self._boundaries:
+                    return position
+        return -1
 
     def _compare_aligned(self, expected: list[_Segment], actual: list[_Segment]) -> list[Mismatch]:
         mismatches: list[Mismatch] = []
