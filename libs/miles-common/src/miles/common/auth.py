@@ -29,6 +29,10 @@ from miles.common.errors import PermissionDeniedError, UnauthenticatedError
 
 MIN_TOKEN_CHARS = 32
 
+SANDBOX_CAPABILITY = "sandbox"
+"""`purpose` of a job's sandbox-gateway capability (`job_capability(gateway operator token, SANDBOX_CAPABILITY,
+job_id)`): minted by the controller, checked by the gateway."""
+
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"description": "No `Authorization: Bearer <token>` header (the route needs a token)"},
     403: {"description": "The bearer token is not accepted here"},
