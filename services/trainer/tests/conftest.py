@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from miles.common.auth import bearer_metadata
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.smoke import console_script
 from miles.model import load_model, sequence_logprobs
@@ -157,7 +158,8 @@ def buffer_process(redis_url: str, tmp_path: Path) -> Iterator[BufferProcess]:
 
 @dataclass
 class TrainerProcess:
-    """A real miles-trainer subprocess (restartable on the same ports, for crash tests)."""
+    """A real miles-trainer subprocess (restartable on the same ports, for crash tests); its control API calls
+    carry `auth_token` (the trainer's MILES_TRAINER_AUTH_TOKEN, "" = none)."""
 
     env: dict[str, str]
     log_dir: Path
@@ -166,6 +168,11 @@ class TrainerProcess:
     metrics_port: int = field(default_factory=free_port)
     process: ServiceProcess | None = None
     starts: int = 0
+    auth_token: str = ""
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.auth_token)
 
     def start(self) -> TrainerProcess:
         env = {
@@ -185,13 +192,15 @@ class TrainerProcess:
     def status(self, timeout_s: float = 10.0) -> trainer_pb2.StatusResponse:
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
-            response: trainer_pb2.StatusResponse = stub.Status(trainer_pb2.StatusRequest(), timeout=timeout_s)
+            response: trainer_pb2.StatusResponse = stub.Status(
+                trainer_pb2.StatusRequest(), timeout=timeout_s, metadata=self.metadata
+            )
             return response
 
     def call(self, method: str, request: Any, timeout_s: float = 300.0) -> Any:
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
-            return getattr(stub, method)(request, timeout=timeout_s)
+            return getattr(stub, method)(request, timeout=timeout_s, metadata=self.metadata)
 
     def wait_for(
         self, predicate: Callable[[trainer_pb2.StatusResponse], bool], timeout_s: float = 600.0

@@ -79,9 +79,11 @@ def start_engine(model_dir: Path, log_dir: Path, *flags: str) -> Proc:
     return Proc(process, f"http://127.0.0.1:{port}")
 
 
-def start_router(engine_urls: list[str], log_dir: Path) -> Proc:
+def start_router(engine_urls: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    """A miles-rollout-router process over `engine_urls` (default pool), `env` added to its environment."""
     port = free_port()
     env = {
+        **(env or {}),
         "MILES_ROUTER_PORT": str(port),
         "MILES_ROUTER_ADMIN_GRPC_PORT": "-1",
         "MILES_ROUTER_ENGINE_URLS": json.dumps(engine_urls),
@@ -94,11 +96,14 @@ def start_router(engine_urls: list[str], log_dir: Path) -> Proc:
     return Proc(process, f"http://127.0.0.1:{port}")
 
 
-def start_daemon(config: dict[str, Any], log_dir: Path, name: str, port: int | None = None) -> Proc:
+def start_daemon(
+    config: dict[str, Any], log_dir: Path, name: str, port: int | None = None, env: dict[str, str] | None = None
+) -> Proc:
+    """A miles-weight-sync process with `config` in its config file and `env` (e.g. tokens) in its environment."""
     port, metrics_port = port or free_port(), free_port()
     config_path = log_dir / f"{name}.json"
     config_path.write_text(json.dumps({**config, "port": port, "metrics_port": metrics_port, "log_json": False}))
-    env = {"MILES_WEIGHTSYNC_CONFIG_FILE": str(config_path)}
+    env = {**(env or {}), "MILES_WEIGHTSYNC_CONFIG_FILE": str(config_path)}
     process = ServiceProcess(
         [console_script("miles-weight-sync")], ready_url=None, log_path=log_dir / f"{name}.log", env=env
     ).start()

@@ -7,6 +7,9 @@ request-schema errors are 400 `{"object": "error", "message", "type": "Bad Reque
 whose `payload` is a miles extension). /health is a plain 200 once started (SGLang with
 SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, so that pauses and weight updates never make a router drop the
 engine); /health_generate really generates one token and answers 503 while paused.
+
+Every route but /health and /health_generate is declared on one router guarded by `EngineAuth` (auth.py says
+which key each route needs); the probes of create_http_app (/healthz, /readyz, /metrics) stay open too.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from miles.common.auth import AUTH_RESPONSES
 from miles.common.errors import MilesError
+from miles.engine.auth import EngineAuth
 from miles.engine.distributed import DESTROY_MESSAGE, INIT_MESSAGE
 from miles.engine.engine import Engine
 from miles.engine.errors import BadRequestError, WeightsCheckError, WeightUpdateError
@@ -76,12 +81,30 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
     async def handle_schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _schema_error(exc.errors())
 
-    @app.api_route(
-        "/generate",
-        methods=["POST", "PUT"],
-        response_model=None,
-        openapi_extra=_GENERATE_OPENAPI,
-    )
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        ok = await engine.health_generate(settings.health_generate_timeout_s)
+        return Response(status_code=200 if ok else 503)
+
+    auth = EngineAuth.from_settings(settings)
+    guarded = APIRouter(dependencies=[Depends(auth.http_dependency)], responses=AUTH_RESPONSES)
+    add_generation_routes(guarded, engine, settings, served)
+    add_control_routes(guarded, engine, served)
+    add_update_group_routes(guarded, engine)
+    add_staging_routes(guarded, engine)
+    app.include_router(guarded)
+
+
+def add_generation_routes(router: APIRouter, engine: Engine, settings: EngineSettings, served: ServedModel) -> None:
+    """/generate and the read-only info routes."""
+
+    # One route per method (not api_route with methods=[...]): each gets its own OpenAPI operationId.
+    @router.post("/generate", response_model=None, openapi_extra=_GENERATE_OPENAPI)
+    @router.put("/generate", response_model=None, openapi_extra=_GENERATE_OPENAPI)
     async def generate(request: Request) -> Response:
         # Parsed by hand: SGLang reads the body as JSON whatever the Content-Type says.
         try:
@@ -96,63 +119,59 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
             return StreamingResponse(_sse(engine, plan), media_type="text/event-stream")
         return JSONResponse(await engine.generate(plan))
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        ok = await engine.health_generate(settings.health_generate_timeout_s)
-        return Response(status_code=200 if ok else 503)
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @router.get("/model_info")
+    @router.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return model_info(engine, served)
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    @router.get("/server_info")
+    @router.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         return server_info(engine, settings, served)
 
-    @app.get("/get_weight_version")
-    @app.get("/weight_version")
+    @router.get("/get_weight_version")
+    @router.get("/weight_version")
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": engine.scheduler.weight_version}
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return models(engine, served)
 
-    @app.get("/v1/loads")
+    @router.get("/v1/loads")
     async def get_loads() -> dict[str, Any]:
         return loads(engine, settings)
 
-    @app.get("/get_load")
+    @router.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
         return legacy_load(engine)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+
+def add_control_routes(router: APIRouter, engine: Engine, served: ServedModel) -> None:
+    """Cache, pause, abort and memory control, disk and tensor weight updates, the weight version."""
+
+    @router.get("/flush_cache")
+    @router.post("/flush_cache")
     async def flush_cache(timeout: float = 0.0) -> PlainTextResponse:  # noqa: ASYNC109 (SGLang's query name)
         flushed = await engine.flush_cache(timeout)
         return PlainTextResponse(FLUSH_MESSAGE, status_code=200 if flushed else 400)
 
-    @app.post("/abort_request")
+    @router.post("/abort_request")
     async def abort_request(body: AbortRequestBody) -> Response:
         await engine.abort(body.rid, body.abort_all)
         return Response(status_code=200)
 
-    @app.post("/pause_generation")
+    @router.post("/pause_generation")
     async def pause_generation(body: PauseGenerationBody | None = None) -> dict[str, str]:
         await engine.pause((body or PauseGenerationBody()).mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
+    @router.post("/continue_generation")
     async def continue_generation(body: ContinueGenerationBody | None = None) -> dict[str, str]:
         await engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.post("/update_weights_from_disk")
+    @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskBody) -> JSONResponse:
         try:
             num_paused = await engine.update_weights_from_disk(
@@ -167,7 +186,7 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
         message = "Succeeded to update model weights." + _version_note(body.weight_version)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": num_paused})
 
-    @app.post("/update_weights_from_tensor")
+    @router.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> JSONResponse:
         try:
             await engine.update_weights_from_tensor(
@@ -182,32 +201,31 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
         message = "Succeeded to update model weights." + _version_note(body.weight_version)
         return JSONResponse({"success": True, "message": message})
 
-    add_update_group_routes(app, engine)
-    add_staging_routes(app, engine)
-
-    @app.post("/update_weight_version")
+    @router.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionBody) -> dict[str, Any]:
         await engine.update_weight_version(body.new_version, body.abort_all_requests)
         message = f"Weight version updated to {body.new_version}"
         return {"success": True, "message": message, "new_version": body.new_version}
 
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @router.get("/release_memory_occupation")
+    @router.post("/release_memory_occupation")
     async def release_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
         tags = (body or MemoryOccupationBody()).tags
         if (tags is None or "kv_cache" in tags) and not await engine.flush_cache():
             return JSONResponse({"error": {"message": "the engine is not idle"}}, status_code=400)
         return JSONResponse(None)
 
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    @router.get("/resume_memory_occupation")
+    @router.post("/resume_memory_occupation")
     async def resume_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
         return JSONResponse(None)
 
 
-def add_staging_routes(app: FastAPI, engine: Engine) -> None:
+def add_staging_routes(router: APIRouter, engine: Engine) -> None:
     """Staged tensor updates (a miles extension; stock SGLang answers 404, and weight-sync then loads under the
     pause): decode and validate a version while generating, swap it in during a short pause."""
 
-    @app.post("/stage_weights_from_tensor", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/stage_weights_from_tensor", response_model=SuccessResponse, responses=_REFUSED)
     async def stage_weights_from_tensor(body: StageWeightsFromTensorBody) -> JSONResponse:
         try:
             staged = await engine.stage_weights_from_tensor(
@@ -217,7 +235,7 @@ def add_staging_routes(app: FastAPI, engine: Engine) -> None:
             return _failure(exc)
         return JSONResponse({"success": True, "message": f"Staged {staged} tensors under {body.stage_id}."})
 
-    @app.post("/apply_staged_weights", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/apply_staged_weights", response_model=SuccessResponse, responses=_REFUSED)
     async def apply_staged_weights(body: ApplyStagedWeightsBody) -> JSONResponse:
         try:
             await engine.apply_staged_weights(
@@ -232,10 +250,10 @@ def add_staging_routes(app: FastAPI, engine: Engine) -> None:
         return JSONResponse({"success": True, "message": message})
 
 
-def add_update_group_routes(app: FastAPI, engine: Engine) -> None:
+def add_update_group_routes(router: APIRouter, engine: Engine) -> None:
     """SGLang's weight-update group protocol (distributed.py) and /weights_checker."""
 
-    @app.post("/init_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/init_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
     async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> JSONResponse:
         try:
             await engine.update_groups.init(body)
@@ -243,7 +261,7 @@ def add_update_group_routes(app: FastAPI, engine: Engine) -> None:
             return _failure(exc)
         return JSONResponse({"success": True, "message": INIT_MESSAGE})
 
-    @app.post("/update_weights_from_distributed", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/update_weights_from_distributed", response_model=SuccessResponse, responses=_REFUSED)
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
         try:
             await engine.update_weights_from_distributed(body)
@@ -252,7 +270,7 @@ def add_update_group_routes(app: FastAPI, engine: Engine) -> None:
         message = "Succeeded to update parameter online." + _version_note(body.weight_version)
         return JSONResponse({"success": True, "message": message})
 
-    @app.post("/destroy_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/destroy_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> JSONResponse:
         try:
             await engine.update_groups.destroy(body.group_name)
@@ -260,9 +278,8 @@ def add_update_group_routes(app: FastAPI, engine: Engine) -> None:
             return _failure(exc)
         return JSONResponse({"success": True, "message": DESTROY_MESSAGE})
 
-    @app.api_route(
-        "/weights_checker", methods=["GET", "POST"], response_model=WeightsCheckerResponse, responses=_CHECK_REFUSED
-    )
+    @router.get("/weights_checker", response_model=WeightsCheckerResponse, responses=_CHECK_REFUSED)
+    @router.post("/weights_checker", response_model=WeightsCheckerResponse, responses=_CHECK_REFUSED)
     async def weights_checker(body: CheckWeightsBody | None = None) -> JSONResponse:
         request = body or CheckWeightsBody()
         try:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import time
 from typing import Any
+
+from fastapi import FastAPI
 
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
@@ -32,6 +35,8 @@ from miles.engine.settings import EngineSettings
 from miles.engine.tokenizer import TextTokenizer
 
 SERVICE = "engine"
+
+log = logging.getLogger(__name__)
 
 
 def parse_flags(argv: list[str] | None) -> dict[str, Any]:
@@ -89,25 +94,33 @@ def _eos_token_ids(settings: EngineSettings, config_ids: tuple[int, ...], tokeni
     return frozenset(int(i) for i in ids)
 
 
-def main(argv: list[str] | None = None) -> None:
-    settings = load_settings(EngineSettings, **parse_flags(argv))
-    configure_logging(SERVICE, settings.log_level, json_lines=settings.log_json)
-    setup_tracing(SERVICE)
-    metrics = Metrics(SERVICE)
-    engine, served = build_engine(settings, metrics)
+def create_app(settings: EngineSettings, engine: Engine, served: ServedModel, metrics: Metrics) -> FastAPI:
+    """The engine's HTTP app: probes and metrics (miles.common), SGLang's routes, keys as settings say."""
 
     async def scheduler_alive() -> None:
         if not engine.scheduler.alive:
             raise RuntimeError("scheduler thread stopped")
 
+    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"scheduler": scheduler_alive})
+    add_routes(app, engine, settings, served)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load_settings(EngineSettings, **parse_flags(argv))
+    configure_logging(SERVICE, settings.log_level, json_lines=settings.log_json)
+    setup_tracing(SERVICE)
+    if not (settings.api_key.get_secret_value() or settings.admin_api_key.get_secret_value()):
+        log.warning("no api_key or admin_api_key: every route is open to local callers (loopback development mode)")
+    metrics = Metrics(SERVICE)
+    engine, served = build_engine(settings, metrics)
+
     async def stop_scheduler() -> None:
         await asyncio.to_thread(engine.scheduler.stop)
 
-    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"scheduler": scheduler_alive})
-    add_routes(app, engine, settings, served)
     asyncio.run(
         serve_async(
-            http_app=app,
+            http_app=create_app(settings, engine, served, metrics),
             http_host=settings.host,
             http_port=settings.port,
             grace_s=settings.shutdown_grace_s,

@@ -2,14 +2,22 @@
 
 Field names follow SGLang's server arguments where one exists (model_path, served_model_name, context_length,
 max_total_tokens, max_running_requests, weight_version ...), so an operator reads them the same way.
+
+Key rule (SGLang's --api-key / --admin-api-key, see miles.engine.auth): `api_key` guards generation and info
+routes, `admin_api_key` the control routes (weight updates, pause, abort, cache and memory control), which fall
+back to `api_key` when no admin key is set. A key has 32+ characters. An engine bound to a non-loopback interface
+refuses to start unless its control routes are guarded, i.e. unless `admin_api_key` or `api_key` is set; on
+127.0.0.1 / ::1 / localhost it may run without keys (every route open to local callers: development only).
+/health, /health_generate, /healthz, /readyz and /metrics never need a key.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 
+from miles.common.auth import MIN_TOKEN_CHARS, check_token_setting
 from miles.common.settings import ServiceSettings, service_config
 
 
@@ -80,6 +88,24 @@ class EngineSettings(ServiceSettings):
     weight_update_group_timeout_s: float = Field(default=600.0, gt=0.0)
     """How long /init_weights_update_group waits for every rank to join, and each broadcast of
     /update_weights_from_distributed for the trainer to send (then the call answers 400)."""
+
+    api_key: SecretStr = SecretStr("")
+    """Bearer token of the generation and info routes (SGLang's --api-key), and of the control routes too when
+    admin_api_key is empty; "" = generation and info routes are open."""
+
+    admin_api_key: SecretStr = SecretStr("")
+    """Bearer token of the control routes (SGLang's --admin-api-key), held by weight-sync and the trainer; "" = they
+    take api_key instead. One of the two is required unless `host` is a loopback address."""
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> EngineSettings:
+        api_key = self.api_key.get_secret_value()
+        admin_key = self.admin_api_key.get_secret_value()
+        if api_key and len(api_key) < MIN_TOKEN_CHARS:
+            raise ValueError(f"api_key must have at least {MIN_TOKEN_CHARS} characters")
+        # The key the control routes really need: SGLang falls back to the api key when no admin key is set.
+        check_token_setting(admin_key or api_key, host=self.host, field="admin_api_key (or api_key)")
+        return self
 
     @property
     def resolved_tokenizer_path(self) -> Path:

@@ -12,6 +12,9 @@ engine is closing at that moment (that fails like a dead engine, and would be re
 
 An engine's pool is retired when the engine leaves its pool: it is dropped at once (a re-registered engine gets a
 fresh one) and closed once the engine's in-flight requests have finished, or after `retire_timeout_s`.
+
+Every client carries the router's `engine_api_key` (when set) as `Authorization: Bearer`, like SGLang router's
+worker api_key, so probes and forwarded requests reach engines that require a key.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 
 import httpx
 
+from miles.common.auth import bearer_headers
 from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.router.engine import Engine
 from miles.router.settings import RouterSettings
@@ -38,6 +42,8 @@ class EngineClients:
             max_keepalive_connections=settings.max_connections,
             keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
+        self.auth_headers = bearer_headers(settings.engine_api_key.get_secret_value())
+        """Headers every engine request carries ({} when the router has no engine_api_key)."""
         self._retire_timeout_s = retire_timeout_s if retire_timeout_s is not None else settings.request_timeout_s
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._retiring: dict[asyncio.Task[None], httpx.AsyncClient] = {}
@@ -47,7 +53,11 @@ class EngineClients:
         client = self._clients.get(url)
         if client is None:
             client = traced_async_client(
-                timeout=self._timeout, limits=self._limits, follow_redirects=False, trust_env=False
+                timeout=self._timeout,
+                limits=self._limits,
+                headers=self.auth_headers,
+                follow_redirects=False,
+                trust_env=False,
             )
             self._clients[url] = client
         return client

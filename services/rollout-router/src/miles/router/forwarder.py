@@ -112,7 +112,8 @@ class Forwarder:
         pool = self.registry.for_request(request.pool)
         pool.counters.request(route)
         try:
-            return await self._attempts(pool, request, method, _request_headers(headers), body)
+            forwarded_headers = _request_headers(headers, self.clients.auth_headers)
+            return await self._attempts(pool, request, method, forwarded_headers, body)
         except MilesError as error:
             pool.counters.failure(_FAILURE_REASON.get(type(error), "engine_unreachable"))
             raise
@@ -257,8 +258,12 @@ def _final_sticky(current: StickyOutcome | None, latest: StickyOutcome | None, a
     return StickyOutcome.MISS if latest is StickyOutcome.MISS else current
 
 
-def _request_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    forwarded = {name: value for name, value in headers.items() if name.lower() not in _SKIP_HEADERS}
+def _request_headers(headers: Mapping[str, str], engine_auth: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers as sent to the engine. With an engine key the router's Authorization replaces the
+    client's (a token for the router is never passed on); without one the client's header goes through."""
+    skipped = (_SKIP_HEADERS | {"authorization"}) if engine_auth else _SKIP_HEADERS
+    forwarded = {name: value for name, value in headers.items() if name.lower() not in skipped}
+    forwarded.update(engine_auth)
     if not any(name.lower() == "accept-encoding" for name in forwarded):
         forwarded["accept-encoding"] = "identity"  # else httpx asks for gzip and the counts become unreadable
     return forwarded

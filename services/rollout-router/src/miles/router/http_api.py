@@ -7,18 +7,20 @@ headers (less hop-by-hop ones) and body come back unchanged. Router decisions th
 `{"error": {"type", "code", "message", ...}}`. Any other path is 404.
 
 Admin mirror of RouterAdminService under /admin/v1/ (JSON, field names as in the proto; `state` and `source`
-as lower-case names).
+as lower-case names). Every admin route needs `Authorization: Bearer <admin_token>` when the router has one (401
+without a token, 403 with another); the data plane, /healthz, /readyz and /metrics never do.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
+from miles.common.auth import AUTH_RESPONSES
 from miles.common.http import create_http_app
 from miles.common.telemetry import Metrics
 from miles.router.forwarder import ForwardedResponse
@@ -66,7 +68,9 @@ def data_plane_router(service: RouterService) -> APIRouter:
             return _RelayResponse(forwarded, forwarded.stream)
         return _PassthroughResponse(forwarded)
 
-    @router.api_route(ROUTE_GENERATE, methods=["POST", "PUT"], summary="SGLang /generate, routed to one engine")
+    # One route per method (not api_route with methods=[...]): each gets its own OpenAPI operationId.
+    @router.post(ROUTE_GENERATE, summary="SGLang /generate, routed to one engine")
+    @router.put(ROUTE_GENERATE, summary="SGLang /generate, routed to one engine")
     async def generate(request: Request) -> Response:
         return await proxy(request, ROUTE_GENERATE)
 
@@ -192,7 +196,12 @@ class StatsResponse(BaseModel):
 
 
 def admin_router(service: RouterService) -> APIRouter:
-    router = APIRouter(prefix="/admin/v1", tags=["admin"])
+    router = APIRouter(
+        prefix="/admin/v1",
+        tags=["admin"],
+        dependencies=[Depends(service.admin_auth.http_dependency)],
+        responses=AUTH_RESPONSES,
+    )
     admin = service.admin
 
     @router.post("/engines", summary="RegisterEngine")

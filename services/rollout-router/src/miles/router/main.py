@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from typing import Any
 
 from miles.common.grpc_server import GrpcServer, build_grpc_server
@@ -19,6 +20,8 @@ from miles.router.service import RouterService
 from miles.router.settings import RouterSettings
 
 SERVICE = "router"
+
+log = logging.getLogger(__name__)
 
 
 def parse_overrides(argv: list[str] | None) -> dict[str, Any]:
@@ -40,12 +43,15 @@ def build_admin_grpc(service: RouterService, settings: RouterSettings, metrics: 
         metrics=metrics,
         host=settings.host,
         port=settings.admin_grpc_port,
+        auth=service.admin_auth,
     )
 
 
 async def run(settings: RouterSettings) -> None:
     metrics = Metrics(SERVICE)
     service = RouterService.build(settings, metrics)
+    if not service.admin_auth.enabled:
+        log.warning("no admin_token: the admin API is open to local callers (loopback development mode)")
     await service.start()
     await serve_async(
         http_app=create_app(service, metrics),

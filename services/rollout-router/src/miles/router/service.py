@@ -2,7 +2,8 @@
 
 `RouterService.build(settings, metrics)` wires the parts (no I/O); `start()` registers the static engines,
 starts health/version monitoring and discovery; `stop()` undoes that. The transports (http_api.py, grpc_api.py)
-and main.py only talk to this object, so tests build the same thing in-process.
+and main.py only talk to this object, so tests build the same thing in-process; both guard the admin API with
+`admin_auth` (the settings' admin_token; no token = open, loopback development mode).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from miles.common.auth import BearerAuth
 from miles.common.telemetry import Metrics
 from miles.router.admin import RouterAdmin
 from miles.router.clients import EngineClients
@@ -35,6 +37,7 @@ class RouterService:
     monitor: EngineMonitor
     admin: RouterAdmin
     discovery: EndpointSliceDiscovery | None
+    admin_auth: BearerAuth
 
     @classmethod
     def build(
@@ -53,7 +56,8 @@ class RouterService:
 
         forwarder = Forwarder(registry, clients, settings, on_version_stale, clock)
         discovery = EndpointSliceDiscovery(settings, admin.sync_discovered) if settings.k8s_discovery else None
-        return cls(settings, registry, clients, forwarder, monitor, admin, discovery)
+        admin_auth = BearerAuth([settings.admin_token.get_secret_value()], what="the router admin API")
+        return cls(settings, registry, clients, forwarder, monitor, admin, discovery, admin_auth)
 
     async def start(self) -> None:
         """Register the static engines (probing each), then start monitoring and discovery."""

@@ -2,14 +2,20 @@
 
 Complex fields (lists, dicts) are read from the environment as JSON, e.g.
 `MILES_ROUTER_STATIC_ENGINES='{"job-a": ["http://10.0.0.5:30000"]}'`.
+
+Admin token rule (miles.common.auth): a router bound to a non-loopback interface refuses to start without an
+`admin_token` (32+ characters). On 127.0.0.1 / ::1 / localhost it may run without one; the admin API (HTTP
+/admin/v1/* and gRPC RouterAdminService) is then open to local callers, which is meant for development only. The
+data plane and the probes never need a token.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from miles.common.auth import check_token_setting
 from miles.common.settings import ServiceSettings, service_config
 
 PolicyName = Literal["session_affinity", "cache_aware", "least_load", "round_robin"]
@@ -27,6 +33,16 @@ class RouterSettings(ServiceSettings):
     admin_grpc_port: int = 8083
     """gRPC port of RouterAdminService (miles.router.v1); 0 picks a free port, -1 disables the gRPC server (the HTTP
     mirror under /admin/v1/ stays)."""
+
+    # --- auth ---------------------------------------------------------------------------------------------------
+    admin_token: SecretStr = SecretStr("")
+    """Bearer token of the admin API (HTTP /admin/v1/* and gRPC RouterAdminService), held by the platform's callers
+    (controller, weight-sync). 32+ characters; required unless `host` is a loopback address."""
+
+    engine_api_key: SecretStr = SecretStr("")
+    """Sent as `Authorization: Bearer <key>` with every request to an engine (generation and probes), replacing
+    the client's own header: the engines' api key (SGLang --api-key, miles-engine api_key). "" = engines are
+    open."""
 
     # --- pools and engines -------------------------------------------------------------------------------------
     default_pool: str = Field(default="default", min_length=1)
@@ -184,6 +200,11 @@ class RouterSettings(ServiceSettings):
 
     k8s_watch_timeout_s: int = Field(default=300, ge=1)
     """Server-side timeout of one watch call before it is renewed, seconds."""
+
+    @model_validator(mode="after")
+    def _check_admin_token(self) -> RouterSettings:
+        check_token_setting(self.admin_token.get_secret_value(), host=self.host, field="admin_token")
+        return self
 
     @model_validator(mode="after")
     def _check_pools(self) -> RouterSettings:

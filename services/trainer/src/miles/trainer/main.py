@@ -1,18 +1,21 @@
 """Entry point of miles-trainer: load settings, build the backend and the loop, serve the control API.
 
-Rank 0 (or the only process) serves gRPC + metrics and runs the loop; under torchrun the other ranks build the
-same backend and follow rank 0's operations. Without a job id the process serves its API idle (no torch
-import). The process exits 1 when the loop fails (the orchestrator restarts it; it resumes from its last
-checkpoint), 0 after SIGTERM (with a checkpoint first when checkpoint_on_sigterm is set).
+Rank 0 (or the only process) serves gRPC (every TrainerService call needs settings.auth_token when it is set) +
+metrics and runs the loop; under torchrun the other ranks build the same backend and follow rank 0's operations.
+Without a job id the process serves its API idle (no torch import). The process exits 1 when the loop fails (the
+orchestrator restarts it; it resumes from its last checkpoint), 0 after SIGTERM (with a checkpoint first when
+checkpoint_on_sigterm is set).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from typing import TYPE_CHECKING
 
+from miles.common.auth import BearerAuth
 from miles.common.grpc_server import build_grpc_server
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
@@ -31,9 +34,13 @@ if TYPE_CHECKING:
 
 SERVICE = "trainer"
 
+log = logging.getLogger(__name__)
+
 
 async def serve(settings: TrainerSettings, metrics: Metrics, trainer: Trainer | None, events: EventLog) -> int:
     """Serve the control API (and run the loop when there is one) until SIGTERM or a loop failure."""
+    if not settings.auth_token.get_secret_value():
+        log.warning("no auth_token: the control API is open to local callers (loopback development mode)")
     servicer = TrainerServicer(trainer, events, settings.job_id)
     grpc_server = build_grpc_server(
         servicers=[(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer)],
@@ -41,6 +48,7 @@ async def serve(settings: TrainerSettings, metrics: Metrics, trainer: Trainer | 
         metrics=metrics,
         host=settings.host,
         port=settings.port,
+        auth=BearerAuth([settings.auth_token.get_secret_value()], what="the trainer's control API"),
     )
 
     async def trainer_alive() -> None:

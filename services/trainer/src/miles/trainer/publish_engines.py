@@ -14,6 +14,9 @@ counted, and gets the next version (the nccl and disk loads are always full, so 
 - `disk`: the version as an HF directory `<publish.dir>/weights-v000007/` written atomically on a volume the
   engines mount at the same path, then `/update_weights_from_disk`.
 
+Router admin calls carry `router_admin_token`, engine requests `engine_admin_api_key`, the engines' version reads
+`engine_api_key` when set (trainer settings; see miles.weightsync.engine_client).
+
 Every version pushed is first recorded as an intent in the publish ledger, so that a restarted trainer never
 reuses a number that may have reached an engine.
 """
@@ -48,7 +51,18 @@ VERSION_PREFIX = "weights-v"
 class EngineFleet:
     """The job's engines as the trainer sees them: discovered at each publish, updated version-locked."""
 
-    def __init__(self, publish: PublishSettings, job_id: str, metrics: Metrics | None) -> None:
+    def __init__(
+        self,
+        publish: PublishSettings,
+        job_id: str,
+        metrics: Metrics | None,
+        *,
+        router_admin_token: str = "",
+        engine_admin_api_key: str = "",
+        engine_api_key: str = "",
+    ) -> None:
+        """The tokens go with every router admin call and every engine request, `engine_api_key` with the engines'
+        version reads ("" = that side is open)."""
         from miles.common.telemetry import Metrics
         from miles.weightsync.engine_client import RouterClient
         from miles.weightsync.events import EventLog
@@ -57,7 +71,13 @@ class EngineFleet:
         self.settings = publish
         pool = publish.pool or job_id
         timeout_s = publish.engine_timeout_s
-        self.router = RouterClient(publish.router_url, pool, timeout_s) if publish.router_url else None
+        self.router = (
+            RouterClient(publish.router_url, pool, timeout_s, admin_token=router_admin_token)
+            if publish.router_url
+            else None
+        )
+        self.engine_admin_api_key = engine_admin_api_key
+        self.engine_api_key = engine_api_key
         self.static_urls = [url.rstrip("/") for url in publish.engine_urls]
         self.metrics = WeightsyncMetrics(metrics if metrics is not None else Metrics("trainer"))
         self.events = EventLog(100)
@@ -85,6 +105,8 @@ class EngineFleet:
                     metrics=self.metrics,
                     events=self.events,
                     request_timeout_s=self.settings.engine_timeout_s,
+                    engine_admin_api_key=self.engine_admin_api_key,
+                    engine_api_key=self.engine_api_key,
                 )
         slots = asyncio.Semaphore(self.settings.max_engines_updating)
         pause_mode = self.settings.pause_mode if self.router is not None else "retract"
@@ -115,7 +137,14 @@ class _EnginePublisher(WeightPublisher):
     def __init__(self, settings: TrainerSettings, ledger: PublishLedger, metrics: Metrics | None) -> None:
         publish = settings.publish
         super().__init__(ledger, dtype=publish.dtype, retry_timeout_s=publish.retry_timeout_s)
-        self.fleet = EngineFleet(publish, settings.job_id, metrics)
+        self.fleet = EngineFleet(
+            publish,
+            settings.job_id,
+            metrics,
+            router_admin_token=settings.router_admin_token.get_secret_value(),
+            engine_admin_api_key=settings.engine_admin_api_key.get_secret_value(),
+            engine_api_key=settings.engine_api_key.get_secret_value(),
+        )
 
     async def _roll(self, record: VersionRecord, transport: WeightTransport, step_finished_unix_ms: int) -> None:
         outcomes = await self.fleet.update(record.version, transport, step_finished_unix_ms=step_finished_unix_ms)

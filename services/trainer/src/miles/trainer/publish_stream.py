@@ -7,6 +7,10 @@ against its checksum, stores the version (a lossless delta against its parent) a
 nothing goes through disk on the trainer side. The origin's answer carries the version's weights digest, which
 must equal the trainer's own (else the publish fails: something between them changed the bytes).
 
+Every call carries `weightsync_auth_token` (weight-sync's auth_token): a refused token fails the publish at once
+(PermissionDeniedError / UnauthenticatedError are not retryable), so the trainer stops with that reason instead of
+retrying for `publish.retry_timeout_s`.
+
 On a restart the store's latest version decides between republishing the restored version (the store answers
 "already stored") and superseding what a dead predecessor published (`WeightPublisher.resume`).
 """
@@ -35,6 +39,7 @@ class StreamPublisher(WeightPublisher):
         if not publish.weightsync_address:
             raise ValueError("publish.kind 'stream' needs publish.weightsync_address (the job's weight-sync origin)")
         self.address = publish.weightsync_address
+        self.auth_token = settings.weightsync_auth_token.get_secret_value()
         self.job_id = settings.job_id
         self._client: WeightSyncClient | None = None
 
@@ -42,7 +47,7 @@ class StreamPublisher(WeightPublisher):
         if self._client is None:
             from miles.weightsync.client import WeightSyncClient
 
-            self._client = WeightSyncClient(self.address)
+            self._client = WeightSyncClient(self.address, auth_token=self.auth_token)
         return self._client
 
     async def _receiver_latest(self) -> int:

@@ -4,6 +4,12 @@ Process fields (where the data, model and checkpoints are; which backend; the ra
 training recipe is the nested `train` section (`miles.common.jobspec.trainer.TrainConfig`), e.g.
 `MILES_TRAINER_TRAIN__LOSS__CLIP_HIGH=0.28` or `{"train": {"loss": {"clip_high": 0.28}}}` in the JSON file named
 by `MILES_TRAINER_CONFIG_FILE` (written by the controller from the job spec).
+
+Tokens (miles.common.auth) are top-level, so that their variables stay flat (`MILES_TRAINER_AUTH_TOKEN`,
+`MILES_TRAINER_WEIGHTSYNC_AUTH_TOKEN`, `MILES_TRAINER_ENGINE_ADMIN_API_KEY`, `MILES_TRAINER_ENGINE_API_KEY`,
+`MILES_TRAINER_ROUTER_ADMIN_TOKEN`):
+the controller sets them in the environment (from the chart's Secret), never in the job spec's file. A trainer
+bound to a non-loopback `host` refuses to start without `auth_token` (32+ characters).
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import os
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from miles.common.auth import check_token_setting
 from miles.common.jobspec.trainer import Section, TrainConfig
 from miles.common.settings import ServiceSettings, service_config
 
@@ -169,8 +176,32 @@ class TrainerSettings(ServiceSettings):
     events_kept: int = Field(default=1000, ge=1)
     """Events kept in memory for WatchEvents replay."""
 
+    # --- auth ---------------------------------------------------------------------------------------------------
+    auth_token: SecretStr = SecretStr("")
+    """Bearer token of the control API (every TrainerService method: Status, Checkpoint, Stop, WatchEvents), held
+    by the controller. 32+ characters; required unless `host` is a loopback address. Probes and /metrics stay
+    open."""
+
+    weightsync_auth_token: SecretStr = SecretStr("")
+    """publish.kind stream: sent as `authorization: Bearer <token>` with every call to the job's weight-sync origin
+    (GetVersion, OpenPublishChannel, CommitPublish, PublishWeights): weight-sync's auth_token. "" = it is open."""
+
+    engine_admin_api_key: SecretStr = SecretStr("")
+    """publish.kind nccl, disk: sent as `Authorization: Bearer <key>` with every request to an engine (pause and
+    continue, the weight loads and update groups, /update_weight_version, and /model_info unless engine_api_key is
+    set): the engines' admin_api_key. "" = open engines."""
+
+    engine_api_key: SecretStr = SecretStr("")
+    """publish.kind nccl, disk: sent in place of engine_admin_api_key with the version reads (/model_info, an info
+    route that SGLang opens to the api key alone): the engines' api_key, needed when they have one. "" = none."""
+
+    router_admin_token: SecretStr = SecretStr("")
+    """publish.kind nccl, disk: sent as `Authorization: Bearer <token>` to the rollout router's admin API (listing
+    the pool's engines, drain, undrain): the router's admin_token. "" = the router's admin API is open."""
+
     @model_validator(mode="after")
     def _check(self) -> Self:
+        check_token_setting(self.auth_token.get_secret_value(), host=self.host, field="auth_token")
         if self.job_id:
             if self.model_path is None:
                 raise ValueError("model_path is required when job_id is set")

@@ -13,7 +13,7 @@ an error, not a fallback. The header needs every checksum first, so tensors are 
 once to send) unless they fit in `max_cached_bytes`; memory stays near one tensor (per data connection) for big
 models. Typical use from the trainer:
 
-    async with WeightSyncClient("127.0.0.1:50053") as client:
+    async with WeightSyncClient("127.0.0.1:50053", auth_token=weightsync_auth_token) as client:
         result = await client.publish(job_id, version=step, parent_version=step - 1,
                                       named_tensors=model.named_parameters())
 """
@@ -154,9 +154,12 @@ class WeightSyncClient:
         max_cached_bytes: int = 1 << 30,
         data_channel: bool = True,
         data_connections: int = 4,
+        auth_token: str = "",
     ) -> None:
         """`data_channel`: publish over the origin's raw TCP data channel when it offers one (else PublishWeights
-        only), over `data_connections` connections (the daemon may grant fewer)."""
+        only), over `data_connections` connections (the daemon may grant fewer). `auth_token`: the daemon's
+        auth_token, sent with every call ("" = the daemon is open; a wrong one fails calls with
+        PermissionDeniedError, none where one is needed with UnauthenticatedError)."""
         if data_connections < 1:
             raise ValueError("data_connections must be >= 1")
         self.target = target
@@ -165,7 +168,7 @@ class WeightSyncClient:
         self.data_channel = data_channel
         self.data_connections = data_connections
         self._data_channel_retry_at = 0.0  # time.monotonic() before which publishes use PublishWeights
-        self._channel = create_channel(target, service_names=[SERVICE_NAME])
+        self._channel = create_channel(target, service_names=[SERVICE_NAME], bearer_token=auth_token)
         self._stub = pb_grpc.WeightSyncServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def __aenter__(self) -> WeightSyncClient:
@@ -327,8 +330,15 @@ class WeightSyncClient:
 
 
 async def publish(
-    target: str, job_id: str, version: int, parent_version: int, named_tensors: NamedTensors, **kwargs: Any
+    target: str,
+    job_id: str,
+    version: int,
+    parent_version: int,
+    named_tensors: NamedTensors,
+    *,
+    auth_token: str = "",
+    **kwargs: Any,
 ) -> PublishResult:
-    """One-shot `WeightSyncClient(target).publish(...)`."""
-    async with WeightSyncClient(target) as client:
+    """One-shot `WeightSyncClient(target, auth_token=auth_token).publish(...)`."""
+    async with WeightSyncClient(target, auth_token=auth_token) as client:
         return await client.publish(job_id, version, parent_version, named_tensors, **kwargs)

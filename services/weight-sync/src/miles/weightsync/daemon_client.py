@@ -79,11 +79,12 @@ async def fetch_weights(
 
 
 class DaemonClient:
-    """One channel to a daemon at `address` ("host:port")."""
+    """One channel to a daemon at `address` ("host:port"); every call carries `auth_token` (the job's weight-sync
+    token, shared by its daemons; "" = they are open)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, auth_token: str = "") -> None:
         self.address = address
-        self._channel = create_channel(address, service_names=[SERVICE_NAME])
+        self._channel = create_channel(address, service_names=[SERVICE_NAME], bearer_token=auth_token)
         self.stub = pb_grpc.WeightSyncServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._data_channel_retry_at = 0.0  # time.monotonic() before which the data channel is not tried
 

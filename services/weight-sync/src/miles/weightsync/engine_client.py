@@ -3,6 +3,12 @@
 Only the calls of a weight update are here (sglang-protocol.md §3): pause/continue, the three load endpoints,
 /update_weight_version, /model_info, and the NCCL group calls. A refused call (non-2xx, or `success: false`)
 raises EngineUpdateError with the engine's message; a connection failure raises EngineUnreachableError.
+
+Both sides guard these calls with bearer tokens (miles.common.auth): engine requests carry the engines' admin API
+key, except the version read (/model_info, an info route: SGLang opens it to the `api_key` alone when the engine
+has one), which carries their api key when one is given; every router call carries the router's admin token (each
+`""` where that side is open). A 401 or 403 names the setting that holds the token, so a misconfigured job says
+what to fix.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from miles.common.auth import bearer_headers
 from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.weightsync.errors import EngineUnreachableError, EngineUpdateError
 
@@ -21,23 +28,43 @@ def _describe(response: httpx.Response) -> str:
 
 
 class _JsonHttp:
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    token_setting = ""
+    """The setting that holds the token this side wants (named when it refuses ours)."""
+
+    def __init__(self, base_url: str, timeout_s: float, *, bearer_token: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         # Engines may be SGLang (uvicorn's 5 s keep-alive): idle connections go before the engine closes them.
         self._client = traced_async_client(
-            base_url=self.base_url, timeout=timeout_s, keepalive_expiry_s=ENGINE_KEEPALIVE_EXPIRY_S
+            base_url=self.base_url,
+            timeout=timeout_s,
+            keepalive_expiry_s=ENGINE_KEEPALIVE_EXPIRY_S,
+            headers=bearer_headers(bearer_token),
         )
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def request(self, method: str, path: str, body: Any = None, *, check_success: bool = False) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        check_success: bool = False,
+        token: str = "",
+        token_setting: str = "",
+    ) -> Any:
+        """One call. `token` replaces this client's own bearer token; a 401/403 names `token_setting` (default: the
+        setting of this client's own token)."""
+        headers = bearer_headers(token) or None
         try:
-            response = await self._client.request(method, path, json=body)
+            response = await self._client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise EngineUnreachableError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code // 100 != 2:
-            error = EngineUpdateError(f"{method} {self.base_url}{path} answered {_describe(response)}")
+            refused = response.status_code in (401, 403)
+            hint = f" (authentication failed: check {token_setting or self.token_setting})" if refused else ""
+            error = EngineUpdateError(f"{method} {self.base_url}{path} answered {_describe(response)}{hint}")
             error.http_status_of_engine = response.status_code
             raise error
         payload = response.json() if response.content else None
@@ -47,17 +74,28 @@ class _JsonHttp:
 
 
 class EngineClient(_JsonHttp):
-    """The control endpoints of one SGLang(-compatible) engine."""
+    """The control endpoints of one SGLang(-compatible) engine: `admin_api_key` goes with every request but the
+    version read, which carries `api_key` when one is given (else the admin key: engines without an api key of
+    their own leave that route open)."""
+
+    token_setting = "engine_admin_api_key"
 
     staging_supported: bool | None = None
     """Whether the engine stages tensor updates (None: not asked yet)."""
 
+    def __init__(self, base_url: str, timeout_s: float, *, admin_api_key: str = "", api_key: str = "") -> None:
+        super().__init__(base_url, timeout_s, bearer_token=admin_api_key)
+        self._api_key = api_key
+
     async def weight_version(self) -> str | None:
-        """The version the engine reports (/model_info, else the deprecated /get_model_info)."""
+        """The version the engine reports (/model_info, else the deprecated /get_model_info); a refused token
+        raises EngineUpdateError naming engine_api_key."""
         for path in ("/model_info", "/get_model_info"):
             try:
-                info = await self.request("GET", path)
-            except EngineUpdateError:
+                info = await self.request("GET", path, token=self._api_key, token_setting="engine_api_key")
+            except EngineUpdateError as exc:
+                if exc.http_status_of_engine in (401, 403):
+                    raise  # names engine_api_key: the engine has an api key of its own, not (or not this) one
                 continue
             if isinstance(info, dict) and info.get("weight_version") is not None:
                 return str(info["weight_version"])
@@ -127,10 +165,13 @@ class EngineClient(_JsonHttp):
 
 
 class RouterClient(_JsonHttp):
-    """The rollout router's admin API (HTTP mirror of miles.router.v1.RouterAdminService) for one pool."""
+    """The rollout router's admin API (HTTP mirror of miles.router.v1.RouterAdminService) for one pool;
+    `admin_token` goes with every call."""
 
-    def __init__(self, base_url: str, pool: str, timeout_s: float) -> None:
-        super().__init__(base_url, timeout_s)
+    token_setting = "router_admin_token"
+
+    def __init__(self, base_url: str, pool: str, timeout_s: float, *, admin_token: str = "") -> None:
+        super().__init__(base_url, timeout_s, bearer_token=admin_token)
         self.pool = pool
 
     async def drain(self, engine_url: str, *, wait: bool, timeout_s: float) -> bool:

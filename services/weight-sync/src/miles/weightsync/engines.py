@@ -93,12 +93,19 @@ class LocalEngines:
         metrics: WeightsyncMetrics,
         events: EventLog,
         request_timeout_s: float,
+        engine_admin_api_key: str = "",
+        engine_api_key: str = "",
     ) -> None:
+        """`engine_admin_api_key` goes with every request to these engines, `engine_api_key` (when set) with the
+        version reads in its place ("" = open; see EngineClient)."""
         self.router = router
         self.metrics = metrics
         self.events = events
         self._engines = {
-            url.rstrip("/"): _EngineState(EngineClient(url, request_timeout_s)) for url in dict.fromkeys(urls)
+            url.rstrip("/"): _EngineState(
+                EngineClient(url, request_timeout_s, admin_api_key=engine_admin_api_key, api_key=engine_api_key)
+            )
+            for url in dict.fromkeys(urls)
         }
         for url, state in self._engines.items():
             state.outcome.engine_url = url

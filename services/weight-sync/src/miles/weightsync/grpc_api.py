@@ -1,6 +1,7 @@
 """gRPC layer of weight-sync (miles.weightsync.v1.WeightSyncService): parse, call the core, translate.
 
-Errors are MilesErrors raised by the core and mapped to gRPC statuses by miles.common's interceptor.
+Errors are MilesErrors raised by the core and mapped to gRPC statuses by miles.common's interceptor, which also
+checks the bearer token (settings.auth_token) of every WeightSyncService call; health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from miles.common.auth import BearerAuth
 from miles.common.errors import InvalidArgumentError, MilesError
+from miles.common.grpc_server import GrpcServer, build_grpc_server
+from miles.common.telemetry import Metrics
 from miles.proto.common.v1 import common_pb2
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
@@ -31,6 +35,7 @@ from miles.weightsync.wire import (
 )
 
 SERVICE_NAME = "miles.weightsync.v1.WeightSyncService"
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _TRANSPORT_FROM_PB = {value: key for key, value in TRANSPORT_TO_PB.items()}
 _PAUSE_FROM_PB = {value: key for key, value in PAUSE_TO_PB.items()}
 _EVENT_KIND = {
@@ -359,3 +364,18 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def build_server(core: WeightSyncCore, metrics: Metrics, *, port: int) -> GrpcServer:
+    """The daemon's gRPC server on settings.host:`port` (0: a free port); with settings.auth_token every
+    WeightSyncService method needs that bearer token (UNAUTHENTICATED without one, PERMISSION_DENIED with another)."""
+    settings = core.settings
+    return build_grpc_server(
+        servicers=[(add_servicer, WeightSyncServicer(core))],
+        service_names=[SERVICE_NAME],
+        metrics=metrics,
+        host=settings.host,
+        port=port,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+        auth=BearerAuth([settings.auth_token.get_secret_value()], what="weight-sync's WeightSyncService"),
+    )

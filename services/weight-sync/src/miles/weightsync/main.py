@@ -1,38 +1,34 @@
-"""Entry point of miles-weight-sync: load settings, build the core, serve gRPC (WeightSyncService) and the
-metrics/probe app until SIGTERM."""
+"""Entry point of miles-weight-sync: load settings, build the core, serve gRPC (WeightSyncService, behind
+settings.auth_token) and the metrics/probe app (open: it has no control routes) until SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
-from miles.common.grpc_server import build_grpc_server
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
-from miles.weightsync.grpc_api import SERVICE_NAME, WeightSyncServicer, add_servicer
+from miles.weightsync.grpc_api import build_server
 from miles.weightsync.memory import tune_malloc_for_streaming
 from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 
 SERVICE = "weightsync"
-_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 async def run(settings: WeightsyncSettings) -> None:
+    if not settings.auth_token.get_secret_value():
+        log.warning("no auth_token: WeightSyncService is open to local callers (loopback development mode)")
     metrics = Metrics(SERVICE)
     core = WeightSyncCore(settings, metrics)
     await core.start()
-    grpc_server = build_grpc_server(
-        servicers=[(add_servicer, WeightSyncServicer(core))],
-        service_names=[SERVICE_NAME],
-        metrics=metrics,
-        host=settings.host,
-        port=settings.port,
-        max_message_bytes=_MAX_MESSAGE_BYTES,
-    )
+    grpc_server = build_server(core, metrics, port=settings.port)
     app = create_http_app(service=SERVICE, metrics=metrics, title="miles-weight-sync")
     await serve_async(
         http_app=app,

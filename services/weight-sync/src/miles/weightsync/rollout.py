@@ -76,12 +76,14 @@ def outcome_from_pb(message: pb.EngineVersion, daemon: str) -> EngineOutcome:
 
 
 class Peers:
-    """The other daemons of the job this daemon coordinates: static addresses plus a DNS name resolved each time."""
+    """The other daemons of the job this daemon coordinates: static addresses plus a DNS name resolved each time.
+    Calls to them carry `auth_token` (the job's weight-sync token)."""
 
-    def __init__(self, static: list[str], dns: str, own_port: int) -> None:
+    def __init__(self, static: list[str], dns: str, own_port: int, *, auth_token: str = "") -> None:
         self.static = static
         self.dns = dns
         self.own_port = own_port
+        self.auth_token = auth_token
         self._clients: dict[str, DaemonClient] = {}
 
     def addresses(self) -> list[str]:
@@ -97,7 +99,7 @@ class Peers:
 
     def client(self, address: str) -> DaemonClient:
         if address not in self._clients:
-            self._clients[address] = DaemonClient(address)
+            self._clients[address] = DaemonClient(address, auth_token=self.auth_token)
         return self._clients[address]
 
     async def engines(self, job_id: str) -> tuple[list[tuple[str, EngineOutcome]], list[EngineOutcome]]:

@@ -51,13 +51,21 @@ class VersionStatus:
     latest_weights_digest: str
 
 
+def _router_client(settings: WeightsyncSettings) -> RouterClient | None:
+    if not settings.router_url:
+        return None
+    admin_token = settings.router_admin_token.get_secret_value()
+    return RouterClient(settings.router_url, settings.pool, settings.engine_request_timeout_s, admin_token=admin_token)
+
+
 class WeightSyncCore:
     def __init__(self, settings: WeightsyncSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.job_id = settings.job_id
         self.metrics = WeightsyncMetrics(metrics)
         self.store = VersionStore(settings.store_url or settings.store_dir, settings.job_id)
-        self.origin = DaemonClient(settings.origin) if settings.origin else None
+        auth_token = settings.auth_token.get_secret_value()  # the job's daemons share it: sent to origin and peers
+        self.origin = DaemonClient(settings.origin, auth_token=auth_token) if settings.origin else None
         self.provider = WeightProvider(
             self.store,
             origin=self.origin,
@@ -75,16 +83,17 @@ class WeightSyncCore:
         )
         self.publish_channel = PublishChannel(self.data_server, self.metrics) if self.data_server is not None else None
         self.events = EventLog(settings.event_history)
-        timeout_s = settings.engine_request_timeout_s
-        self.router = RouterClient(settings.router_url, settings.pool, timeout_s) if settings.router_url else None
+        self.router = _router_client(settings)
         self.local = LocalEngines(
             settings.engine_urls,
             router=self.router,
             metrics=self.metrics,
             events=self.events,
-            request_timeout_s=timeout_s,
+            request_timeout_s=settings.engine_request_timeout_s,
+            engine_admin_api_key=settings.engine_admin_api_key.get_secret_value(),
+            engine_api_key=settings.engine_api_key.get_secret_value(),
         )
-        self.peers = Peers(settings.peers, settings.peers_dns, settings.port)
+        self.peers = Peers(settings.peers, settings.peers_dns, settings.port, auth_token=auth_token)
         self.rollouts = RolloutRunner(self.job_id, self.local, self.peers, self.transport, self.events, self.metrics)
         self.intake = PublishIntake(
             settings,

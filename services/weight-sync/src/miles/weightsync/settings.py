@@ -1,12 +1,19 @@
 """Settings of weight-sync (environment prefix MILES_WEIGHTSYNC_, or the JSON file named by
-MILES_WEIGHTSYNC_CONFIG_FILE), validated at start-up. Per-job daemons get their part of the job spec that way."""
+MILES_WEIGHTSYNC_CONFIG_FILE), validated at start-up. Per-job daemons get their part of the job spec that way.
+
+Token rule (miles.common.auth): a daemon bound to a non-loopback `host` refuses to start without an `auth_token`
+(32+ characters); on 127.0.0.1 / ::1 / localhost it may run without one (development). The tokens it sends to the
+router and the engines come from the controller like its own (environment, from the chart's Secret), never from
+the job spec.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from miles.common.auth import check_token_setting
 from miles.common.settings import ServiceSettings, service_config
 
 TransportName = Literal["disk", "delta", "stream"]
@@ -134,8 +141,30 @@ class WeightsyncSettings(ServiceSettings):
     event_history: int = Field(default=1000, ge=1)
     """Version events remembered for WatchVersions replays."""
 
+    # --- auth ---------------------------------------------------------------------------------------------------
+    auth_token: SecretStr = SecretStr("")
+    """Bearer token of every WeightSyncService method (PublishWeights, UpdateEngines, GetVersion, WatchVersions,
+    FetchWeights, the channel negotiations ...): the job's trainer, controller and other daemons send it, and this
+    daemon sends it to its origin and peers (one token per job). 32+ characters; required unless `host` is a
+    loopback address. The probes and /metrics stay open; data channel connections carry their per-offer tokens."""
+
+    router_admin_token: SecretStr = SecretStr("")
+    """Sent as `Authorization: Bearer <token>` to the rollout router's admin API (drain, undrain, list engines):
+    the router's admin_token. "" = the router's admin API is open (loopback development)."""
+
+    engine_admin_api_key: SecretStr = SecretStr("")
+    """Sent as `Authorization: Bearer <key>` with every request to an engine (pause/continue, weight loads,
+    /update_weight_version, the update-group calls, and /model_info unless engine_api_key is set): the engines'
+    admin_api_key. "" = open engines."""
+
+    engine_api_key: SecretStr = SecretStr("")
+    """Sent in place of engine_admin_api_key with the version reads (/model_info, an info route): the engines'
+    api_key (SGLang --api-key), needed when they have one, since SGLang opens info routes to that key alone. "" =
+    the engines have none (their info routes are open)."""
+
     @model_validator(mode="after")
     def _check_combinations(self) -> WeightsyncSettings:
+        check_token_setting(self.auth_token.get_secret_value(), host=self.host, field="auth_token")
         if self.pause_mode == "drain" and not self.router_url and (self.engine_urls or self.peers or self.peers_dns):
             raise ValueError("pause_mode 'drain' needs router_url (or choose abort, retract or in_place)")
         if self.transport == "disk" and not self.model_config_dir:
