@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv install protos tools redis-check sandbox-check test chart-test chart-settings chart-docs e2e-kind lint format lock run bench tiny-model clean
+.PHONY: help setup venv install protos tools redis-check sandbox-check test chart-test chart-settings chart-docs e2e-kind lint format lock run chaos bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -94,6 +94,10 @@ DEMO_ARGS ?=
 
 run: $(PY)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+# The kill matrix: kill -9 of every shared service and per-job process once during a short job (scripts/chaos.py).
+chaos: $(PY)
+	$(PY) scripts/chaos.py $(CHAOS_ARGS)
 
 # bench/<name>.py is `make bench-<name>`; `make bench` runs them all. Each prints ratios measured in one run
 # and writes bench/results/<name>.json.

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 from miles.controller.cli import console, controller_client, follow_job  # noqa: E402
 from miles.controller.cli_follow import JobWatch, reward_table  # noqa: E402
-from miles.controller.cli_platform import Layout, load_state, service_health, start_platform, stop_platform  # noqa: E402
+from miles.controller.cli_platform import Layout, load_state, start_platform, stop_platform  # noqa: E402
+from miles.controller.cli_platform import ensure_platform as ensure_running_platform  # noqa: E402
 
 NUM_EDGE_STEPS = 3
 """reward_first / reward_last average this many steps (one step is 32 episodes: noisy on its own)."""
@@ -53,12 +54,12 @@ def ensure_model(path: Path) -> None:
 
 
 def ensure_platform(layout: Layout) -> bool:
-    """Start the platform unless one is up; returns True when this run started it."""
-    state = load_state(layout)
-    if state is not None and all(service_health(r) == "ready" for r in state.services.values()):
-        console.print(f"reusing the platform under {layout.home}: {state.controller_url}")
+    """Start the platform unless one is up (healed in place if part of it died); True when this run started it."""
+    running = ensure_running_platform(layout)
+    if running is not None:
+        console.print(f"reusing the platform under {layout.home}: {running[0].controller_url}")
         return False
-    if state is not None:
+    if load_state(layout) is not None:
         stop_platform(layout)
     started = time.monotonic()
     with console.status("miles up"):

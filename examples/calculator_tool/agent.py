@@ -39,11 +39,13 @@ CALCULATOR = "import sys; print(eval(sys.stdin.read(), {'__builtins__': {}}, {})
 class Sandbox:
     """One sandbox of the gateway's HTTP API, created on first use and destroyed by `close`."""
 
-    def __init__(self, base_url: str | None, job_id: str) -> None:
+    def __init__(self, base_url: str | None, job_id: str, token: str = "") -> None:
         self.base_url = base_url
         self.job_id = job_id
         self.sandbox_id: str | None = None
-        self.http = httpx.AsyncClient(timeout=60.0, trust_env=False)
+        # The job's capability at the gateway: it opens this job's sandboxes and no other job's.
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(timeout=60.0, trust_env=False, headers=headers)
 
     async def run(self, argv: list[str], stdin: str = "", timeout_s: float = 10.0) -> tuple[int, str]:
         if self.base_url is None:
@@ -81,7 +83,7 @@ async def agent(
 ) -> dict[str, Any]:
     max_turns = int(metadata.get("agent_config", {}).get("max_turns", 4))
     client = AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=3)
-    sandbox = Sandbox(metadata.get("sandbox_url"), metadata["job_id"])
+    sandbox = Sandbox(metadata.get("sandbox_url"), metadata["job_id"], metadata.get("sandbox_token", ""))
     messages: list[dict[str, Any]] = list(prompt["messages"])
     tool_results: list[str] = []
     num_calls = num_valid_calls = 0

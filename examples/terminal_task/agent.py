@@ -23,11 +23,13 @@ UNPARSED = "Could not parse a command. Reply with <command>...</command> or <don
 class Sandbox:
     """One sandbox of the gateway's HTTP API for the whole episode."""
 
-    def __init__(self, base_url: str, job_id: str) -> None:
+    def __init__(self, base_url: str, job_id: str, token: str = "") -> None:
         self.base_url = base_url
         self.job_id = job_id
         self.sandbox_id = ""
-        self.http = httpx.AsyncClient(timeout=60.0, trust_env=False)
+        # The job's capability at the gateway: it opens this job's sandboxes and no other job's.
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(timeout=60.0, trust_env=False, headers=headers)
 
     async def start(self) -> None:
         created = await self.http.post(f"{self.base_url}/v1/sandboxes", json={"job_id": self.job_id, "ttl_s": 600})
@@ -58,7 +60,7 @@ async def agent(
 ) -> dict[str, Any]:
     max_turns = int(metadata.get("agent_config", {}).get("max_turns", 6))
     client = AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=3)
-    sandbox = Sandbox(metadata["sandbox_url"], metadata["job_id"])
+    sandbox = Sandbox(metadata["sandbox_url"], metadata["job_id"], metadata.get("sandbox_token", ""))
     messages: list[dict[str, Any]] = list(prompt["messages"])
     num_commands = 0
     try:

@@ -176,7 +176,11 @@ def test_rbac_is_least_privilege(render: Renderer) -> None:
     for rules in roles.values():
         for rule in rules:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-            assert "secrets" not in rule["resources"]
+            if "secrets" in rule["resources"]:  # the controller's per-job token Secrets: never listed or changed
+                assert rule["resources"] == ["secrets"] and rule["verbs"] == ["get", "create", "delete"]
+    assert not any(
+        "secrets" in rule["resources"] for name, rules in roles.items() if name != "miles-controller" for rule in rules
+    )
     bound = {binding["subjects"][0]["name"] for binding in by_kind(render([]), "RoleBinding")}
     assert bound == set(roles)
 
@@ -319,10 +323,15 @@ def test_controller_may_create_exactly_the_kinds_of_the_per_job_objects(render: 
     more; besides, it only reads pods (job health)."""
     plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "DaemonSet": "daemonsets",
               "Service": "services", "ConfigMap": "configmaps", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-              "NetworkPolicy": "networkpolicies"}  # fmt: skip
+              "NetworkPolicy": "networkpolicies", "Secret": "secrets"}  # fmt: skip
     values = ["jobTemplates.weightSync.mode=daemonset", "networkPolicy.nodeCidrs[0]=10.0.0.0/16",
               "jobTemplates.rolloutWorker.autoscaling.enabled=true"]  # fmt: skip
-    objects = [*job_objects("default", values), {"apiVersion": "v1", "kind": "ConfigMap"}]
+    # Besides the templates the controller creates the job's spec ConfigMap and its tokens Secret.
+    objects = [
+        *job_objects("default", values),
+        {"apiVersion": "v1", "kind": "ConfigMap"},
+        {"apiVersion": "v1", "kind": "Secret"},
+    ]
     needed = {(obj["apiVersion"].rpartition("/")[0], plural[obj["kind"]]) for obj in objects}
     (role,) = [r for r in by_kind(render([]), "Role") if r["metadata"]["name"] == "miles-controller"]
     writable = {

@@ -2,13 +2,18 @@
 
 One test (the services take a while to import on a busy machine): up starts redis, buffer, sandbox gateway,
 router, session server and controller, each ready and recorded with its pid file; a second `up` sees it is
-already up; status reports every service ready and the controller answers `jobs`; down stops every process and
-removes the pid files and the state file. No job is run here (tests/test_e2e_controller.py does that).
+already up; status reports every service ready and the controller answers `jobs`; the keeper restarts services
+killed with -9 (Redis among them) on their ports; with the keeper dead too, a second `up` restarts what died on
+the same ports and a new keeper; down stops every process (keeper included) and removes the pid files and the
+state file. No job is run here (tests/test_e2e_controller.py and the chaos target do that).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +22,8 @@ from typer.testing import CliRunner
 
 from miles.controller.cli import app
 from miles.controller.cli_platform import SERVICE_ORDER, Layout, load_state, pid_alive, stop_platform
+from miles.controller.platform_keeper import KEEPER_PROGRAM
+from miles.controller.platform_state import PlatformState, is_ready
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +57,41 @@ def test_up_status_down_starts_every_shared_service_and_leaves_nothing_running(h
     jobs = runner.invoke(app, ["jobs", "--home", str(home), "--json"])
     assert jobs.exit_code == 0 and jobs.output.strip() == "[]"
 
+    healed = _kill_and_wait_for_the_keeper(home, state, ["redis", "buffer", "router"])
+    assert {name: healed.services[name].restarts for name in ("redis", "buffer", "router")} == dict.fromkeys(
+        ("redis", "buffer", "router"), 1
+    )
+
+    os.kill(healed.keeper_pid, signal.SIGKILL)
+    os.kill(healed.services["session"].pid, signal.SIGKILL)
+    again = runner.invoke(app, ["up", "--home", str(home)])
+    assert again.exit_code == 0 and "restarted on the same ports: session" in " ".join(again.output.split())
+    final = load_state(Layout(home))
+    assert final is not None and pid_alive(final.keeper_pid, KEEPER_PROGRAM)
+    assert {n: r.url for n, r in final.services.items()} == {n: r.url for n, r in state.services.items()}
+    assert all(is_ready(record) for record in final.services.values())
+
     down = runner.invoke(app, ["down", "--home", str(home)])
     assert down.exit_code == 0, down.output
-    assert all(not pid_alive(r.pid, r.program) for r in state.services.values())
+    assert all(not pid_alive(r.pid, r.program) for r in final.services.values())
+    assert not pid_alive(final.keeper_pid, KEEPER_PROGRAM)
     assert not list((home / "run").glob("*.pid")) and load_state(Layout(home)) is None
+
+
+def _kill_and_wait_for_the_keeper(home: Path, state: PlatformState, names: list[str]) -> PlatformState:
+    """kill -9 `names`; wait until the keeper has them running and ready again, at the same addresses."""
+    assert pid_alive(state.keeper_pid, KEEPER_PROGRAM)
+    for name in names:
+        os.kill(state.services[name].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        current = load_state(Layout(home))
+        assert current is not None
+        records = [current.services[name] for name in names]
+        if all(r.pid != state.services[r.name].pid and pid_alive(r.pid, r.program) for r in records) and all(
+            is_ready(r) for r in current.services.values()
+        ):
+            assert {n: r.url for n, r in current.services.items()} == {n: r.url for n, r in state.services.items()}
+            return current
+        time.sleep(0.2)
+    raise AssertionError(f"the keeper did not restart {names}: {load_state(Layout(home))}")

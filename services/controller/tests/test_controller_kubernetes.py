@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kubernetes import client as k8s
 
+from miles.common.auth import SANDBOX_CAPABILITY, job_capability
 from miles.common.errors import FailedPreconditionError, InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.common.jobspec.rollout import RolloutSpec
@@ -33,7 +34,7 @@ from miles.common.jobspec.trainer import TrainConfig
 from miles.common.serve import serve_async
 from miles.common.testing.helm import render_chart
 from miles.common.testing.ports import free_port
-from miles.controller.backends.base import SharedServices
+from miles.controller.backends.base import PlatformTokens, SharedServices
 from miles.controller.backends.kubernetes import KubernetesJobBackend
 from miles.controller.job_templates import engine_kind_of
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -158,8 +159,10 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         self.state = trainer_pb2.TRAINER_STATE_TRAINING
         self.step = 0
         self.error = ""
+        self.authorization: list[str] = []
 
     async def Status(self, request: Any, context: Any) -> trainer_pb2.StatusResponse:
+        self.authorization += [value for key, value in context.invocation_metadata() if key == "authorization"]
         return trainer_pb2.StatusResponse(
             state=self.state,
             step=self.step,
@@ -183,7 +186,7 @@ def repo_root_module(request: pytest.FixtureRequest) -> Path:
 
 @contextlib.asynccontextmanager
 async def fake_cluster(
-    templates: dict[str, str] | None,
+    templates: dict[str, str] | None, tokens: PlatformTokens | None = None
 ) -> AsyncIterator[tuple[FakeKubernetesApi, FakeTrainer, KubernetesJobBackend]]:
     api = FakeKubernetesApi()
     if templates is not None:
@@ -209,7 +212,15 @@ async def fake_cluster(
     await grpc_server.start()
     configuration = k8s.Configuration(host=f"http://127.0.0.1:{port}")
     shared = SharedServices(
-        "redis://r:6379/0", "http://router:8082", "", "http://session:8081", "tok", "buffer:50051", "sandbox:50061", ""
+        "redis://r:6379/0",
+        "http://router:8082",
+        "",
+        "http://session:8081",
+        "tok",
+        "buffer:50051",
+        "sandbox:50061",
+        "",
+        tokens or PlatformTokens(),
     )
     backend = KubernetesJobBackend(
         k8s.ApiClient(configuration),
@@ -283,6 +294,36 @@ async def test_start_creates_valid_objects_owned_by_the_spec_config_map_and_adop
         assert sorted(obj["metadata"]["uid"] for obj in api.of_job("jk8s0000001")) == sorted(
             obj["metadata"]["uid"] for obj in created
         )
+
+
+async def test_each_job_gets_its_own_sandbox_capability_and_the_trainer_is_called_with_its_token(
+    job_templates: dict[str, str], controller_kit: Any
+) -> None:
+    tokens = PlatformTokens(sandbox_operator="s" * 40, trainer="t" * 40)
+    async with fake_cluster(job_templates, tokens) as (api, trainer, backend):
+        spec = _spec(controller_kit)
+        for job_id in ("jk8stok0001", "jk8stok0002"):
+            await backend.start(job_id, spec)
+        await backend.observe("jk8stok0001", spec)
+        capabilities = {}
+        for job_id in ("jk8stok0001", "jk8stok0002"):
+            (secret,) = [obj for obj in api.of_job(job_id) if obj["kind"] == "Secret"]
+            assert secret["metadata"]["name"] == f"miles-{job_id}-tokens"
+            capabilities[job_id] = secret["stringData"]["sandbox-token"]
+            assert capabilities[job_id] == job_capability("s" * 40, SANDBOX_CAPABILITY, job_id)
+            (workers,) = [
+                obj
+                for obj in api.of_job(job_id)
+                if obj["kind"] == "Deployment"
+                and obj["metadata"]["labels"]["app.kubernetes.io/component"] == "rollout-worker"
+            ]
+            env = {item["name"]: item for item in workers["spec"]["template"]["spec"]["containers"][0]["env"]}
+            assert env["MILES_ROLLOUT_SANDBOX_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+                "name": f"miles-{job_id}-tokens",
+                "key": "sandbox-token",
+            }
+        assert capabilities["jk8stok0001"] != capabilities["jk8stok0002"]
+        assert trainer.authorization == [f"Bearer {'t' * 40}"]
 
 
 async def test_observe_reads_pools_and_the_trainer_status(job_templates: dict[str, str], controller_kit: Any) -> None:
@@ -369,6 +410,8 @@ async def test_the_trainer_pod_publishes_to_the_jobs_origin_with_the_spec_transp
         for env in trainer["spec"]["template"]["spec"]["containers"][0]["env"]:
             if env["name"].startswith("MILES_TRAINER_") and "value" in env:
                 monkeypatch.setenv(env["name"], env["value"])
+            elif env["name"].startswith("MILES_TRAINER_") and "secretKeyRef" in env.get("valueFrom", {}):
+                monkeypatch.setenv(env["name"], f"secret-{env['valueFrom']['secretKeyRef']['key']}".ljust(40, "x"))
         monkeypatch.setenv("MILES_TRAINER_CONFIG_FILE", str(config))
         monkeypatch.setenv("MILES_TRAINER_RANK", "0")
         publish = load_settings(TrainerSettings).publish

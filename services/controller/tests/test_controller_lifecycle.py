@@ -135,3 +135,34 @@ async def test_only_the_lease_holder_supervises_when_two_replicas_share_redis(
             assert cancelled.json()["state"] == "CANCELLED"
         assert [call for call in second_backend.calls if call[0] != "check_spec"] == []  # it only vetted a spec
         assert ("start", other) in first_backend.calls and ("stop", job_id) in first_backend.calls
+
+
+async def test_a_job_that_trains_nothing_says_it_is_stalled_and_then_that_it_resumed(
+    redis_url: str, controller_kit: Any
+) -> None:
+    kit = controller_kit
+    backend = kit.FakeBackend(auto_step=False)
+    async with kit.running(kit.make_settings(redis_url, stall_warning_s=0.5), backend) as client:
+        job_id = (await client.post("/v1/jobs", json=kit.job_spec_body(num_steps=5))).json()["job_id"]
+        await kit.wait_for_state(client, job_id, "RUNNING")
+        backend.jobs[job_id].error = "worker-0 exited with code -9; restarting"
+        for _ in range(600):
+            errors = (await client.get(f"/v1/jobs/{job_id}")).json()["errors"]
+            if any(error.startswith("stalled:") for error in errors):
+                break
+            await asyncio.sleep(0.02)
+        (stalled,) = [error for error in errors if error.startswith("stalled:")]
+        assert "step 0/5" in stalled and "worker-0 exited" in stalled and "'engines': 2" in stalled
+
+        backend.jobs[job_id].step = 1
+        for _ in range(600):
+            if (await client.get(f"/v1/jobs/{job_id}")).json()["step"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # the resumed event follows the step's progress event in the same observation
+        await client.post(f"/v1/jobs/{job_id}/cancel")
+        events = await read_sse(client, job_id)
+        (resumed,) = [event["data"] for event in events if event["event"] == "resumed"]
+        assert resumed["step"] == 1 and resumed["stalled_s"] >= 0
+        kinds = [event["event"] for event in events]
+        assert kinds.index("error") < kinds.index("resumed")

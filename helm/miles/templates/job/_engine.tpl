@@ -22,12 +22,20 @@ a weight-sync sidecar in sidecar mode, and the headless Service whose EndpointSl
     - --mem-fraction-static
     - {{ $e.sglang.memFractionStatic | quote }}
     - --enable-metrics
+    # Control routes (pause, weight updates, cache flush ...) need the release's engine admin key.
+    - --admin-api-key
+    - $(MILES_ENGINE_ADMIN_API_KEY)
+    {{- if .Values.auth.protectEngineGeneration }}
+    - --api-key
+    - $(MILES_ENGINE_API_KEY)
+    {{- end }}
     {{- range $e.sglang.extraArgs }}
     - {{ . | quote }}
     {{- end }}
   env:
     - name: HOME
       value: /tmp
+    {{- include "miles.job.secretEnv" (dict "root" . "entries" (list (list "MILES_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
     {{- with $e.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -52,6 +60,7 @@ a weight-sync sidecar in sidecar mode, and the headless Service whose EndpointSl
       value: "0.0.0.0"
     - name: MILES_ENGINE_PORT
       value: {{ $e.port | quote }}
+    {{- include "miles.job.secretEnv" (dict "root" . "entries" (list (list "MILES_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
     {{- if .Values.tracing.otlpEndpoint }}
     - name: OTEL_EXPORTER_OTLP_ENDPOINT
       value: {{ .Values.tracing.otlpEndpoint | quote }}

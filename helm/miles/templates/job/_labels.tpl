@@ -44,6 +44,17 @@ miles.dev/job: ${JOB_ID}
 {{- end }}
 {{- end -}}
 
+{{/* Env entries from the release Secret: .entries is a list of [env name, Secret key]. */}}
+{{- define "miles.job.secretEnv" -}}
+{{- range .entries }}
+- name: {{ index . 0 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "miles.secretName" $.root }}
+      key: {{ index . 1 }}
+{{- end }}
+{{- end -}}
+
 {{/* Volumes every per-job pod has: the job's spec ConfigMap, /tmp, and the models volume when configured. */}}
 {{- define "miles.job.commonVolumes" -}}
 - name: job-spec

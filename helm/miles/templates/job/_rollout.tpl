@@ -56,6 +56,13 @@ spec:
             # The gateway's HTTP facade (for agents without gRPC) is served on its metrics port.
             - name: MILES_ROLLOUT_SANDBOX_HTTP_URL
               value: {{ include "miles.job.sharedAddress" (dict "root" . "key" "sandboxGateway" "kind" "metrics") | quote }}
+            # The job's own capability at the gateway (opens only this job's sandboxes), in the Secret the
+            # controller creates for the job.
+            - name: MILES_ROLLOUT_SANDBOX_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "miles.job.name" (dict "root" . "component" "tokens") }}
+                  key: sandbox-token
             {{- end }}
             {{- with $r.extraEnv }}
             {{- toYaml . | nindent 12 }}

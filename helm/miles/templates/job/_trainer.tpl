@@ -56,6 +56,7 @@ spec:
               value: {{ include "miles.job.sharedAddress" (dict "root" . "key" "buffer" "kind" "grpc") | quote }}
             - name: MILES_TRAINER_MODEL_PATH
               value: "${MODEL_PATH}"
+            {{- include "miles.job.secretEnv" (dict "root" . "entries" (list (list "MILES_TRAINER_AUTH_TOKEN" "trainer-auth-token") (list "MILES_TRAINER_WEIGHTSYNC_AUTH_TOKEN" "weightsync-auth-token") (list "MILES_TRAINER_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_TRAINER_ENGINE_API_KEY" "engine-api-key") (list "MILES_TRAINER_ROUTER_ADMIN_TOKEN" "router-admin-token"))) | nindent 12 }}
             - name: MILES_TRAINER_CHECKPOINT_DIR
               value: /var/lib/miles/checkpoints
             - name: MILES_TRAINER_RANK

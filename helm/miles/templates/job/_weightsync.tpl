@@ -23,6 +23,7 @@ router (router_url, pool = the job's engine pool).
       value: {{ include "miles.job.sharedAddress" (dict "root" $root "key" "rolloutRouter" "kind" "http") | quote }}
     - name: MILES_WEIGHTSYNC_POOL
       value: "${JOB_ID}"
+    {{- include "miles.job.secretEnv" (dict "root" $root "entries" (list (list "MILES_WEIGHTSYNC_AUTH_TOKEN" "weightsync-auth-token") (list "MILES_WEIGHTSYNC_ROUTER_ADMIN_TOKEN" "router-admin-token") (list "MILES_WEIGHTSYNC_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_WEIGHTSYNC_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
     - name: MILES_WEIGHTSYNC_STORE_DIR
       value: /var/lib/miles/weights/store
     - name: MILES_WEIGHTSYNC_WORK_DIR

@@ -34,6 +34,7 @@ from miles.controller.cli_platform import (
     Layout,
     PlatformError,
     ServiceRecord,
+    ensure_platform,
     load_state,
     service_health,
     start_platform,
@@ -85,12 +86,18 @@ def up(
 ) -> None:
     """Start redis, router, session server, buffer, sandbox gateway and controller (local backend), detached."""
     layout = Layout(home)
-    state = load_state(layout)
-    if state is not None and all(service_health(r) == "ready" for r in state.services.values()):
-        console.print(f"already up: controller {state.controller_url}")
+    try:
+        running = ensure_platform(layout, ready_timeout_s=timeout_s)
+    except PlatformError as exc:
+        console.print(f"[red]miles up failed:[/] {exc}")
+        raise typer.Exit(1) from None
+    if running is not None:
+        state, restarted = running
+        healed = f" (restarted on the same ports: {', '.join(restarted)})" if restarted else ""
+        console.print(f"already up: controller {state.controller_url}{healed}")
         return
-    if state is not None:
-        stop_platform(layout)  # leftovers of a half-dead platform
+    if load_state(layout) is not None:
+        stop_platform(layout)  # the records of a platform of which nothing runs any more
     started = time.monotonic()
     try:
         with console.status("starting the shared services"):
@@ -299,12 +306,13 @@ def _tail(path: Path, num_lines: int, follow: bool) -> None:
 
 def _services_table(records: list[ServiceRecord]) -> Table:
     table = Table(title="miles shared services")
-    for column in ("service", "health", "pid", "address", "log"):
+    for column in ("service", "health", "pid", "restarts", "address", "log"):
         table.add_column(column)
     for record in records:
         health = service_health(record)
         style = {"ready": "green", "stopped": "red"}.get(health, "yellow")
-        table.add_row(record.name, f"[{style}]{health}[/]", str(record.pid), record.url, record.log_path)
+        row = (record.name, f"[{style}]{health}[/]", str(record.pid), str(record.restarts), record.url, record.log_path)
+        table.add_row(*row)
     return table
 
 

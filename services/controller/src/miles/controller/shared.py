@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import httpx
 
+from miles.common.auth import bearer_headers
 from miles.common.errors import MilesError, UnavailableError, error_class_for_http_status
 from miles.common.grpc_client import create_channel, error_from_rpc_error
 from miles.common.http_client import traced_async_client
@@ -39,6 +40,7 @@ class SharedServicesClient:
         self.shared = shared
         self.timeout_s = timeout_s
         self._http = traced_async_client(timeout=timeout_s)
+        self._router_headers = bearer_headers(shared.tokens.router_admin)
         self._channel: grpc.aio.Channel | None = None
         self._buffer_stub: Any = None
 
@@ -47,7 +49,7 @@ class SharedServicesClient:
         """The buffer stub, its channel created on first use: a grpc.aio channel binds to the running event loop,
         and the controller is built before `asyncio.run` starts the loop that serves it."""
         if self._buffer_stub is None and self.shared.buffer_address:
-            self._channel = create_channel(self.shared.buffer_address)
+            self._channel = create_channel(self.shared.buffer_address, bearer_token=self.shared.tokens.buffer_operator)
             self._buffer_stub = buffer_pb2_grpc.BufferServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self._buffer_stub
 
@@ -84,7 +86,7 @@ class SharedServicesClient:
             return {}
         url = f"{self.shared.router_url.rstrip('/')}/admin/v1/stats"
         try:
-            response = await self._http.get(url, params={"pool": engine_pool_of(job_id)})
+            response = await self._http.get(url, params={"pool": engine_pool_of(job_id)}, headers=self._router_headers)
         except httpx.HTTPError:
             return {}
         if response.status_code != 200:
@@ -97,9 +99,7 @@ class SharedServicesClient:
         self, method: str, job_id: str, body: dict[str, Any] | None, *, missing_ok: bool = False
     ) -> None:
         url = f"{self.shared.session_url.rstrip('/')}/v1/jobs/{job_id}/config"
-        headers = {}
-        if self.shared.session_operator_token:
-            headers["authorization"] = f"Bearer {self.shared.session_operator_token}"
+        headers = bearer_headers(self.shared.session_operator_token)
         try:
             response = await self._http.request(method, url, json=body, headers=headers)
         except httpx.HTTPError as exc:

@@ -243,6 +243,30 @@ class Supervisor:
                 "metrics": metrics,
             }
         await self.store.update(record.job_id, fields, event)
+        await self._watch_for_stall(record, progress, loop)
+
+    async def _watch_for_stall(self, record: JobRecord, progress: JobProgress, loop: _JobLoopState) -> None:
+        """Say so (errors, an event) when a running job trains nothing for a while; say when it resumes."""
+        now_s = time.monotonic()
+        if progress.phase != "running" or loop.last_step_at_s == 0.0 or progress.step != loop.last_step:
+            if loop.stalled and progress.step != loop.last_step:
+                stalled_s = round(now_s - loop.last_step_at_s)
+                event = {"type": "resumed", "job_id": record.job_id, "step": progress.step, "stalled_s": stalled_s}
+                await self.store.update(record.job_id, {}, event)
+            if loop.last_step_at_s and progress.step > loop.last_step:
+                loop.step_interval_s = (now_s - loop.last_step_at_s) / (progress.step - loop.last_step)
+            loop.last_step, loop.last_step_at_s, loop.stalled = progress.step, now_s, False
+            return
+        bound_s = max(self.settings.stall_warning_s, 4 * loop.step_interval_s)
+        if loop.stalled or now_s - loop.last_step_at_s < bound_s:
+            return
+        loop.stalled = True
+        await self._note_error(
+            record,
+            f"stalled: no step trained for {now_s - loop.last_step_at_s:.0f}s (step {progress.step}/"
+            f"{record.spec.train.num_steps}); pools {progress.pools}; "
+            f"{progress.error or 'no process problem reported by the backend'}",
+        )
 
     async def _fail(self, record: JobRecord, reason: str) -> None:
         await self._note_error(record, reason)
@@ -287,6 +311,11 @@ class _JobLoopState:
         self.start_failures = 0
         self.observe_failures = 0
         self.last_seen: tuple[Any, ...] = ()
+        self.last_step = 0
+        self.last_step_at_s = 0.0
+        """When the step last changed (monotonic; 0: not yet observed running)."""
+        self.step_interval_s = 0.0
+        self.stalled = False
 
 
 def _json(value: Any) -> str:

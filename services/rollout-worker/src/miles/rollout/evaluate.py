@@ -24,7 +24,7 @@ from miles.rollout.dataset import load_dataset
 from miles.rollout.episode import EpisodeRunner, EpisodeTask
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.rewards import Scorer
-from miles.rollout.sandbox import SandboxClient
+from miles.rollout.sandbox import SandboxClient, sandbox_metadata
 from miles.rollout.sessions import SessionClient
 
 
@@ -57,6 +57,7 @@ async def evaluate(
     operator_token: str,
     sandbox_http_url: str = "",
     sandbox_address: str = "",
+    sandbox_token: str = "",
     limit: int | None = None,
     concurrency: int = 8,
 ) -> EvalResult:
@@ -64,11 +65,9 @@ async def evaluate(
     spec = greedy(spec)
     dataset = load_dataset(spec.dataset.model_copy(update={"shuffle": False, "limit": limit}))
     agent: AgentFn = load_callable(spec.agent.function, spec.agent.python_path, what="rollout.agent.function")
-    sandbox = SandboxClient(sandbox_address) if sandbox_address else None
+    sandbox = SandboxClient(sandbox_address, token=sandbox_token) if sandbox_address else None
     sessions = SessionClient(session_url, operator_token=operator_token, request_timeout_s=120.0, retry_budget_s=30.0)
-    extra = {"sandbox_url": sandbox_http_url.rstrip("/")} if sandbox_http_url else {}
-    if sandbox_address:
-        extra["sandbox_address"] = sandbox_address
+    extra = sandbox_metadata(sandbox_http_url, sandbox_address, sandbox_token)
     runner = EpisodeRunner(
         spec,
         sessions=sessions,

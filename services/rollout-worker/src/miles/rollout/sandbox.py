@@ -1,7 +1,8 @@
 """A small async client of the sandbox gateway's gRPC API: what the `unit_tests` verifier needs.
 
 Create a sandbox, write files, run one shell command collecting its output, destroy it. Failed calls raise
-the common error class of their status (`miles.common.grpc_client.error_from_rpc_error`).
+the common error class of their status (`miles.common.grpc_client.error_from_rpc_error`). Every call carries the
+job's capability token (`sandbox_token`, minted by the controller), which opens only the job's own sandboxes.
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ class CommandResult:
     timed_out: bool
 
 
+def sandbox_metadata(http_url: str, address: str, token: str) -> dict[str, str]:
+    """What agents get in `metadata` to reach the gateway: `sandbox_url` (HTTP facade), `sandbox_address`
+    (gRPC) and `sandbox_token` (send it as `Authorization: Bearer <token>`), each only when configured."""
+    extra = {"sandbox_url": http_url.rstrip("/"), "sandbox_address": address, "sandbox_token": token}
+    return {key: value for key, value in extra.items() if value}
+
+
 class SandboxClient:
-    def __init__(self, address: str, *, call_timeout_s: float = 60.0) -> None:
-        self._channel = create_channel(address, service_names=[_SERVICE])
+    def __init__(self, address: str, *, token: str = "", call_timeout_s: float = 60.0) -> None:
+        self._channel = create_channel(address, service_names=[_SERVICE], bearer_token=token)
         self._stub = sandbox_pb2_grpc.SandboxServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._timeout_s = call_timeout_s
 

@@ -82,6 +82,10 @@ class RolloutSettings(ServiceSettings):
     """Base URL of the sandbox gateway's HTTP facade, handed to agents as `metadata["sandbox_url"]` (agents
     need no gRPC code); empty: none."""
 
+    sandbox_token: SecretStr = SecretStr("")
+    """The job's capability at the sandbox gateway (the controller mints it; it opens only this job's
+    sandboxes), sent by the `unit_tests` verifier and handed to agents as `metadata["sandbox_token"]`."""
+
     requeue_poll_interval_s: float = Field(default=5.0, gt=0)
     """How often the buffer is asked for prompts to regenerate (groups requeued as stale)."""
 

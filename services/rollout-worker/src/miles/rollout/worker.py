@@ -23,23 +23,13 @@ from miles.rollout.ledger import SessionLedger
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.pusher import GroupPusher
 from miles.rollout.rewards import Scorer
-from miles.rollout.sandbox import SandboxClient
+from miles.rollout.sandbox import SandboxClient, sandbox_metadata
 from miles.rollout.scheduler import RolloutScheduler
 from miles.rollout.sessions import SessionClient
 from miles.rollout.settings import RolloutSettings
 from miles.rollout.sweeper import OrphanSweeper
 
 log = logging.getLogger(__name__)
-
-
-def _agent_extra_metadata(settings: RolloutSettings) -> dict[str, Any]:
-    """What agents get in `metadata` besides the episode's own fields: where the sandbox gateway is."""
-    extra: dict[str, Any] = {}
-    if settings.sandbox_http_url:
-        extra["sandbox_url"] = settings.sandbox_http_url.rstrip("/")
-    if settings.sandbox_address:
-        extra["sandbox_address"] = settings.sandbox_address
-    return extra
 
 
 class RolloutWorker:
@@ -80,7 +70,8 @@ class RolloutWorker:
         job_id = settings.job_id
         dataset = load_dataset(spec.dataset)
         agent: AgentFn = load_callable(spec.agent.function, spec.agent.python_path, what="rollout.agent.function")
-        sandbox = SandboxClient(settings.sandbox_address) if settings.sandbox_address else None
+        sandbox_token = settings.sandbox_token.get_secret_value()
+        sandbox = SandboxClient(settings.sandbox_address, token=sandbox_token) if settings.sandbox_address else None
         scorer = Scorer(spec.reward, job_id=job_id, sandbox=sandbox)
         redis_client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=10.0, socket_connect_timeout=5.0)
         cursor = DatasetCursor(redis_client, key_prefix=settings.key_prefix, job_id=job_id, num_seqs=dataset.num_seqs)
@@ -101,7 +92,9 @@ class RolloutWorker:
             scorer=scorer,
             metrics=metrics,
             worker_id=settings.worker_id,
-            agent_extra_metadata=_agent_extra_metadata(settings),
+            agent_extra_metadata=sandbox_metadata(
+                settings.sandbox_http_url, settings.sandbox_address, settings.sandbox_token.get_secret_value()
+            ),
             ledger=ledger,
         )
         buffer = BufferClient(settings.buffer_address)

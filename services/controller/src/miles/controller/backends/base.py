@@ -11,11 +11,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from miles.common.auth import SANDBOX_CAPABILITY, job_capability
 from miles.common.jobspec.job import JobSpec
 
 JobPhase = Literal["starting", "running", "succeeded", "failed"]
 """What a backend observes of a job: `starting` (resources being created or not ready yet), `running`,
 `succeeded` (the trainer reported its last step), `failed` (a resource failed for good; see `error`)."""
+
+
+@dataclass(frozen=True)
+class PlatformTokens:
+    """Bearer tokens of the platform's control APIs (miles.common.auth); "" = that API is open (loopback only).
+
+    The controller calls the router admin API, the buffer's job control and the trainers with them, and hands
+    each per-job process the ones it calls with (or, for engines, weight-sync and trainers, the one it checks).
+    """
+
+    router_admin: str = ""
+    """The router's admin API (`/admin/v1/*`, RouterAdminService)."""
+    buffer_operator: str = ""
+    """The buffer's ConfigureJob / DeleteJob."""
+    engine_admin_api_key: str = ""
+    """The engines' control routes (pause, weight updates, cache flush ...; SGLang's `--admin-api-key`)."""
+    engine_api_key: str = ""
+    """The engines' generation routes (SGLang's `--api-key`); "" = open inside the pool's NetworkPolicy."""
+    weightsync: str = ""
+    """Every job's weight-sync gRPC API."""
+    trainer: str = ""
+    """Every job's trainer gRPC API (Status, Checkpoint, Stop, WatchEvents)."""
+    sandbox_operator: str = ""
+    """The sandbox gateway's operator token; each job gets `sandbox_job(job_id)`, which opens only its own
+    sandboxes."""
+
+    def sandbox_job(self, job_id: str) -> str:
+        """The job's capability at the sandbox gateway ("" when the gateway is open)."""
+        return job_capability(self.sandbox_operator, SANDBOX_CAPABILITY, job_id) if self.sandbox_operator else ""
 
 
 @dataclass(frozen=True)
@@ -38,6 +68,8 @@ class SharedServices:
     """host:port of the sandbox gateway's gRPC API."""
     sandbox_http_url: str
     """HTTP base URL of the sandbox gateway ("" = none)."""
+    tokens: PlatformTokens = field(default_factory=PlatformTokens)
+    """Bearer tokens of the control APIs."""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from miles.controller.job_templates import (
     engine_kind_of,
     instantiate_job_templates,
     job_spec_config_map,
+    job_tokens_secret,
     owned_by,
 )
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -57,6 +58,7 @@ POOL_COMPONENTS = {"engines": "engine", "rollout_workers": "rollout-worker", "tr
 _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 _CREATE_METHODS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("CoreV1Api", "create_namespaced_config_map"),
+    "Secret": ("CoreV1Api", "create_namespaced_secret"),
     "Service": ("CoreV1Api", "create_namespaced_service"),
     "ServiceAccount": ("CoreV1Api", "create_namespaced_service_account"),
     "Deployment": ("AppsV1Api", "create_namespaced_deployment"),
@@ -229,7 +231,8 @@ class KubernetesJobBackend:
         params = template_params(job_id, spec)
         spec_config_map = job_spec_config_map(templates, params, spec_files(spec))
         created_owner = await self._create_or_read(spec_config_map)
-        objects = owned_by(instantiate_job_templates(templates, params), created_owner)
+        tokens = job_tokens_secret(spec_config_map, {"sandbox-token": self.shared.tokens.sandbox_job(job_id)})
+        objects = owned_by([tokens, *instantiate_job_templates(templates, params)], created_owner)
         for obj in objects:
             await self._create_or_read(obj)
         log.info("job objects created", extra={"job_id": job_id, "num_objects": len(objects) + 1})
@@ -307,7 +310,7 @@ class KubernetesJobBackend:
         address = self.trainer_address(JobAddresses.of(templates, job_id).trainer_rank0)
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = create_channel(address)
+            channel = self._channels[address] = create_channel(address, bearer_token=self.shared.tokens.trainer)
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
         try:
             status: trainer_pb2.StatusResponse = await stub.Status(

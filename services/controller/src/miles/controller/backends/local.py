@@ -75,12 +75,12 @@ class LocalJobBackend:
         self.monitor_interval_s = monitor_interval_s
         self.engine_drain_timeout_s = engine_drain_timeout_s
         self.table = ProcessTable(Path(cwd) if cwd is not None else Path.cwd())
-        self.pool = RouterPool(shared.router_url)
+        self.pool = RouterPool(shared.router_url, admin_token=shared.tokens.router_admin)
         self._http = traced_async_client(timeout=2.0)
         self._jobs: dict[str, LocalJob] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._monitors: dict[str, asyncio.Task[None]] = {}
-        self.readers = StatusReaders(self._http)
+        self.readers = StatusReaders(self._http, trainer_token=shared.tokens.trainer)
         self._last_pool_check: dict[str, float] = {}
 
     # --- JobBackend ------------------------------------------------------------------------------------------
@@ -239,7 +239,10 @@ class LocalJobBackend:
         if problem is not None:
             raise ValueError(problem[1])
         job.job_dir.mkdir(parents=True, exist_ok=True)
-        engines = [layout.engine_record(job.job_dir, spec, i) for i in range(spec.resources.engines.replicas)]
+        engines = [
+            layout.engine_record(job.job_dir, spec, i, self.shared.tokens)
+            for i in range(spec.resources.engines.replicas)
+        ]
         records = list(engines)
         origin = ""
         if layout.uses_weightsync(spec):
@@ -352,7 +355,7 @@ class LocalJobBackend:
         current = job.by_role("engine")
         if count > len(current):
             for _ in range(count - len(current)):
-                record = layout.engine_record(job.job_dir, spec, job.next_index("engine"))
+                record = layout.engine_record(job.job_dir, spec, job.next_index("engine"), self.shared.tokens)
                 job.processes[record.name] = record
                 self.table.spawn(record, job.job_dir)
         else:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from miles.common.jobspec.job import JobSpec
-from miles.controller.backends.base import SharedServices
+from miles.controller.backends.base import PlatformTokens, SharedServices
 from miles.controller.backends.local_processes import ProcessRecord, free_port
 
 
@@ -58,7 +59,12 @@ def uses_weightsync(spec: JobSpec) -> bool:
     return spec.weight_sync.transport == "stream"
 
 
-def engine_record(job_dir: Path, spec: JobSpec, index: int) -> ProcessRecord:
+def token_env(tokens: Mapping[str, str]) -> dict[str, str]:
+    """The environment entries of the tokens that are set (an unset one leaves the setting's empty default)."""
+    return {name: value for name, value in tokens.items() if value}
+
+
+def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformTokens) -> ProcessRecord:
     port = free_port()
     argv = [
         console_script("miles-engine"),
@@ -75,7 +81,15 @@ def engine_record(job_dir: Path, spec: JobSpec, index: int) -> ProcessRecord:
         name=f"engine-{index}",
         role="engine",
         argv=argv,
-        env={"MILES_ENGINE_LOG_JSON": "false"},
+        env={
+            "MILES_ENGINE_LOG_JSON": "false",
+            **token_env(
+                {
+                    "MILES_ENGINE_ADMIN_API_KEY": tokens.engine_admin_api_key,
+                    "MILES_ENGINE_API_KEY": tokens.engine_api_key,
+                }
+            ),
+        },
         log_path=str(job_dir / f"engine-{index}.log"),
         ready_url=f"{url}/readyz",
         url=url,
@@ -119,7 +133,15 @@ def write_weightsync_config(
         "log_json": False,
     }
     path = _write_json(job_dir / "weightsync.json", config)
-    record.env = {"MILES_WEIGHTSYNC_CONFIG_FILE": path}
+    tokens = token_env(
+        {
+            "MILES_WEIGHTSYNC_AUTH_TOKEN": shared.tokens.weightsync,
+            "MILES_WEIGHTSYNC_ROUTER_ADMIN_TOKEN": shared.tokens.router_admin,
+            "MILES_WEIGHTSYNC_ENGINE_ADMIN_API_KEY": shared.tokens.engine_admin_api_key,
+            "MILES_WEIGHTSYNC_ENGINE_API_KEY": shared.tokens.engine_api_key,
+        }
+    )
+    record.env = {"MILES_WEIGHTSYNC_CONFIG_FILE": path, **tokens}
 
 
 def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, index: int) -> ProcessRecord:
@@ -138,6 +160,7 @@ def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServi
         "MILES_ROLLOUT_SANDBOX_ADDRESS": shared.sandbox_address,
         "MILES_ROLLOUT_SANDBOX_HTTP_URL": shared.sandbox_http_url,
         "MILES_ROLLOUT_LOG_JSON": "false",
+        **token_env({"MILES_ROLLOUT_SANDBOX_TOKEN": shared.tokens.sandbox_job(job_id)}),
     }
     url = f"http://127.0.0.1:{port}"
     return ProcessRecord(
@@ -199,7 +222,18 @@ def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServ
         name="trainer",
         role="trainer",
         argv=argv,
-        env={"MILES_TRAINER_CONFIG_FILE": path},
+        env={
+            "MILES_TRAINER_CONFIG_FILE": path,
+            **token_env(
+                {
+                    "MILES_TRAINER_AUTH_TOKEN": shared.tokens.trainer,
+                    "MILES_TRAINER_WEIGHTSYNC_AUTH_TOKEN": shared.tokens.weightsync,
+                    "MILES_TRAINER_ENGINE_ADMIN_API_KEY": shared.tokens.engine_admin_api_key,
+                    "MILES_TRAINER_ENGINE_API_KEY": shared.tokens.engine_api_key,
+                    "MILES_TRAINER_ROUTER_ADMIN_TOKEN": shared.tokens.router_admin,
+                }
+            ),
+        },
         log_path=str(job_dir / "trainer.log"),
         ready_url=f"http://127.0.0.1:{metrics_port}/readyz",
         url=f"127.0.0.1:{port}",

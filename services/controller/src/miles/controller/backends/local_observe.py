@@ -19,8 +19,9 @@ TITO_CRITICAL_METRIC = "miles_rollout_tito_critical_episodes_total"
 
 
 class StatusReaders:
-    def __init__(self, http: httpx.AsyncClient, *, status_timeout_s: float = 5.0) -> None:
+    def __init__(self, http: httpx.AsyncClient, *, trainer_token: str = "", status_timeout_s: float = 5.0) -> None:
         self._http = http
+        self.trainer_token = trainer_token
         self.status_timeout_s = status_timeout_s
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         self._last_status: dict[str, trainer_pb2.StatusResponse] = {}
@@ -30,7 +31,7 @@ class StatusReaders:
         cached = self._channels.get(job_id)
         if cached is None or cached[0] != address:
             await self._close_channel(job_id)
-            cached = (address, create_channel(address))
+            cached = (address, create_channel(address, bearer_token=self.trainer_token))
             self._channels[job_id] = cached
         stub = trainer_pb2_grpc.TrainerServiceStub(cached[1])  # type: ignore[no-untyped-call]
         try:

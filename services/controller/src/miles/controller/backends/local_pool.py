@@ -11,6 +11,7 @@ import logging
 
 import httpx
 
+from miles.common.auth import bearer_headers
 from miles.common.http_client import traced_async_client
 
 log = logging.getLogger(__name__)
@@ -19,9 +20,9 @@ log = logging.getLogger(__name__)
 class RouterPool:
     """Register / deregister / list the engines of one pool. No router URL: every call is a no-op."""
 
-    def __init__(self, router_url: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, router_url: str, *, admin_token: str = "", timeout_s: float = 10.0) -> None:
         self.router_url = router_url.rstrip("/")
-        self._http = traced_async_client(timeout=timeout_s)
+        self._http = traced_async_client(timeout=timeout_s, headers=bearer_headers(admin_token))
 
     @property
     def enabled(self) -> bool:

@@ -61,6 +61,8 @@ class LocalJob:
         }
         self.job_dir.mkdir(parents=True, exist_ok=True)
         temp = self.job_dir / f".{STATE_FILE}.tmp"
+        temp.touch(mode=0o600)  # the processes' environments hold the platform's tokens
+        temp.chmod(0o600)
         temp.write_text(json.dumps(data, indent=1))
         os.replace(temp, self.job_dir / STATE_FILE)
 
