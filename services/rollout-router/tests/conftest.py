@@ -5,8 +5,8 @@ fail the way real engines fail: refuse connections (stopped), close the socket b
 middle of a body or a stream, answer 5xx, be slow. It speaks the /generate protocol shape (sglang-protocol.md §1:
 `text`/`output_ids`/`meta_info` with `prompt_tokens`, `cached_tokens` from a real longest-prefix cache,
 `weight_version`; SSE with cumulative chunks and `data: [DONE]`), the OpenAI routes with `usage`, and
-/health, /model_info, /server_info. These stay for failure injection; test_router_engines_integration.py runs the
-router against real `miles-engine --fake-model` processes.
+/health, /model_info, /server_info (and /health_generate when `generating` is set). These stay for failure
+injection; test_router_engines_integration.py runs the router against real `miles-engine --fake-model` processes.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ class ReceivedRequest:
 @dataclass
 class FakeEngine:
     """An engine with knobs. `mode`: ok | error_500 | error_503 | die_before_headers | die_mid_body |
-    stream_die (after `die_after_events` SSE events). `delay_s`: sleep before answering (and between events)."""
+    stream_die (after `die_after_events` SSE events). `delay_s`: sleep before answering (and between events).
+    `generating`: /health_generate answers 200 (True), 503 (False: paused), or 404 (None: no such route)."""
 
     weight_version: int | str = 0
     mode: str = "ok"
     delay_s: float = 0.0
     die_after_events: int = 1
     healthy: bool = True
+    generating: bool | None = None
     max_running_requests: int | None = None
     max_total_num_tokens: int | None = None
     num_output_tokens: int = 4
@@ -104,6 +106,9 @@ class FakeEngine:
         self.requests.append(request)
         if request.path == "/health":
             await _respond(writer, 200 if self.healthy else 503, b"")
+            return True
+        if request.path == "/health_generate" and self.generating is not None:
+            await _respond(writer, 200 if self.generating else 503, b"")
             return True
         if request.path in ("/model_info", "/get_model_info"):
             await _respond_json(writer, 200, {"model_path": "fake", "weight_version": str(self.weight_version)})

@@ -103,6 +103,33 @@ async def test_drain_without_wait_and_timeout(engines: Any, start_router: Any, u
         assert (await router.service.admin.drain_engine("", engine.url, wait=True, timeout_s=5)).drained
 
 
+async def test_an_engine_found_paused_is_served_again_at_undrain(engines: Any, start_router: Any) -> None:
+    """Registered while paused (e.g. mid-update when this router started): no requests; weight-sync's undrain after
+    its resume checks it at once, without waiting for the monitor (whose intervals here are too long to help)."""
+    (engine,) = await engines(1, generating=False)
+    async with start_router(health_check_interval_s=60.0, serving_check_interval_s=60.0) as router:
+        registered = await router.client.post("/admin/v1/engines", json={"url": engine.url})
+        assert registered.json()["engine"]["state"] == "unhealthy" and router.pool().engines[engine.url].paused
+        refused = await router.client.post("/generate", content=generate_body([1]))
+        assert refused.status_code == 503 and "(1 paused)" in refused.json()["error"]["message"]
+        await router.client.post("/admin/v1/engines/drain", json={"url": engine.url})
+        engine.generating = True  # resumed by the update
+        undrained = await router.client.post("/admin/v1/engines/undrain", json={"url": engine.url})
+        assert undrained.json()["engine"]["state"] == "healthy"
+        assert (await router.client.post("/generate", content=generate_body([2]))).status_code == 200
+    assert len(engine.generate_requests()) == 1
+
+
+async def test_an_engine_without_a_generation_check_route_is_never_paused(engines: Any, start_router: Any) -> None:
+    (engine,) = await engines(1)  # /health_generate answers 404
+    async with start_router(engine_urls=[engine.url], serving_check_interval_s=0.05) as router:
+        assert (await router.client.post("/generate", content=generate_body([1]))).status_code == 200
+        await asyncio.sleep(0.3)
+        pool_engine = router.pool().engines[engine.url]
+        assert not pool_engine.paused and not pool_engine.serving_check_supported
+    assert [r.path for r in engine.requests].count("/health_generate") == 1  # asked once, at registration
+
+
 async def test_admin_errors(start_router: Any) -> None:
     async with start_router() as router:
         missing = await router.client.post("/admin/v1/engines/drain", json={"pool": "nope", "url": "http://x:1"})

@@ -306,6 +306,75 @@ def test_an_engine_registered_at_run_time_takes_new_sessions(cluster: Cluster) -
         cluster.admin.DeregisterEngine(router_pb2.DeregisterEngineRequest(pool=POOL_A, url=spare.url), timeout=10)
 
 
+# --- a paused engine and a router that starts after the pause ---------------------------------------------------------
+def engine_paused_gauge(router_url: str, engine_url: str) -> float | None:
+    """The router's miles_router_engine_paused for one engine (None when the series is absent)."""
+    for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("miles_router_engine_paused{") and f'engine="{engine_url}"' in line:
+            return float(line.split()[-1])
+    return None
+
+
+def test_a_router_started_after_an_engine_was_paused_routes_nothing_to_it_until_it_continues(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The router-restart fault: an engine left paused (SGLang holds requests while paused, and still answers
+    /health) must not get requests from a router that did not see the pause happen."""
+    paused, serving = cluster.spare, cluster.pool_b  # the spare is in no pool of the module's router
+    port = free_port()
+    env = {
+        "MILES_ROUTER_PORT": str(port),
+        "MILES_ROUTER_ADMIN_GRPC_PORT": "-1",
+        "MILES_ROUTER_DEFAULT_POOL": "mixed",
+        "MILES_ROUTER_STATIC_ENGINES": json.dumps({"mixed": [paused.url, serving.url], "solo": [paused.url]}),
+        "MILES_ROUTER_POLICY": "round_robin",
+        "MILES_ROUTER_HEALTH_CHECK_INTERVAL_S": "0.2",
+        "MILES_ROUTER_HEALTH_CHECK_TIMEOUT_S": "2",
+        "MILES_ROUTER_LOG_JSON": "false",
+    }
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.post(f"{paused.url}/pause_generation", json={"mode": "abort"}, timeout=30).status_code == 200
+    try:
+        with (
+            ServiceProcess(
+                [console_script("miles-rollout-router")],
+                ready_url=f"{url}/readyz",
+                env=env,
+                log_path=tmp_path / "router.log",
+            ),
+            httpx.Client(base_url=url, timeout=60.0, limits=CLIENT_LIMITS) as client,
+        ):
+            listed = {
+                e["url"]: e["state"]
+                for e in client.get("/admin/v1/engines", params={"pool": "mixed"}).json()["engines"]
+            }
+            assert listed == {paused.url: "unhealthy", serving.url: "healthy"}  # the admin contract has no "paused"
+            assert engine_paused_gauge(url, paused.url) == 1.0
+
+            before = {engine.url: engine_requests(engine.url) for engine in (paused, serving)}
+            rng = random.Random(6)
+            for _ in range(6):  # round robin would alternate between the two engines
+                answer = client.post("/generate", json=turn(fresh_tokens(rng, 8), 4))
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["meta_info"]["finish_reason"]["type"] == "length"
+            refused = client.post("/generate", json=turn([1, 2, 3], 4), headers={"X-Miles-Pool": "solo"})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["message"] == "pool 'solo' has no available engine (1 paused)"
+            assert engine_requests(serving.url) - before[serving.url] == 6
+            assert engine_requests(paused.url) == before[paused.url]  # nothing reached (or waits at) the paused one
+
+            assert httpx.post(f"{paused.url}/continue_generation", json={}, timeout=30).status_code == 200
+            wait_for(lambda: engine_paused_gauge(url, paused.url) == 0.0)  # re-checked every health interval
+            served = client.post("/generate", json=turn([1, 2, 3], 4), headers={"X-Miles-Pool": "solo"})
+            assert served.status_code == 200, served.text
+            assert served.json()["meta_info"]["finish_reason"]["type"] == "length"
+            assert engine_requests(paused.url) == before[paused.url] + 1
+            states = {e["url"]: e["state"] for e in client.get("/admin/v1/engines").json()["engines"]}
+            assert states == {paused.url: "healthy", serving.url: "healthy"}
+    finally:
+        httpx.post(f"{paused.url}/continue_generation", json={}, timeout=30)
+
+
 # --- failure: kill -9 one engine under concurrent traffic (runs last; restarts the engine) -------------------------
 @dataclass
 class TrafficLog:

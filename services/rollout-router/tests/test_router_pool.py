@@ -22,6 +22,23 @@ def test_empty_and_unhealthy_pools_answer_503_with_a_reason(make_pool: Any, make
         pool.select(make_routing("s"))
 
 
+def test_paused_engines_take_no_requests_until_a_generation_check_passes(make_pool: Any, make_routing: Any) -> None:
+    _, pool, engines = make_pool(2)
+    assert pool.record_serving(engines[0], False, failures_to_pause=1)  # registration: one failure decides
+    assert engines[0].state() is EngineState.UNHEALTHY and not engines[0].is_available()
+    assert all(pool.select(make_routing(f"s{i}")).engine is engines[1] for i in range(10))
+    for _ in range(2):  # a serving engine: paused only after `failures_to_pause` consecutive failures
+        assert not pool.record_serving(engines[1], False, failures_to_pause=3)
+    assert engines[1].is_available()
+    assert pool.record_serving(engines[1], False, failures_to_pause=3)
+    with pytest.raises(NoRoutableEngineError, match=r"no available engine \(2 paused\)"):
+        pool.select(make_routing("s"))
+    assert pool.record_serving(engines[0], True, failures_to_pause=3)  # one success ends the pause
+    assert pool.select(make_routing("s")).engine is engines[0]
+    assert pool.record_serving(engines[1], None, failures_to_pause=1)  # no such route: never paused by it
+    assert engines[1].is_available() and not engines[1].serving_check_supported
+
+
 def test_open_circuit_takes_an_engine_out_until_half_open(make_pool: Any, make_routing: Any, clock: Any) -> None:
     _, pool, engines = make_pool(2, clock=clock, circuit_failure_threshold=2, circuit_open_s=5.0)
     for _ in range(2):

@@ -1,16 +1,19 @@
-"""Coordination pieces without engines: peer discovery, an unreachable peer reported (never skipped), the event
-log's replay-then-follow, and settings that cannot work refused at start-up."""
+"""Coordination pieces without engines: peer discovery, an unreachable or hung peer reported (never skipped, never
+waited on for good), the event log's replay-then-follow, and settings that cannot work refused at start-up."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import grpc
 import pytest
 
 from miles.common.errors import ConfigError
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics
 from miles.common.testing import free_port
+from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from miles.weightsync.engines import LocalEngines
 from miles.weightsync.events import ENGINE_UPDATED, STORED, EventLog, VersionEvent
 from miles.weightsync.metrics import WeightsyncMetrics
@@ -37,6 +40,33 @@ async def test_unreachable_peer_is_reported_as_failed() -> None:
     await runner.peers.close()
     assert len(outcomes) == 1 and outcomes[0].update_failed and outcomes[0].daemon == address
     assert address in outcomes[0].error
+
+
+class _HungPeer(pb_grpc.WeightSyncServiceServicer):  # type: ignore[misc]
+    """A daemon that takes calls and never answers (stopped with SIGSTOP, or stuck): its connection is up."""
+
+    async def GetVersion(self, request: Any, context: Any) -> Any:
+        await asyncio.Event().wait()
+
+
+async def test_a_peer_that_never_answers_is_reported_failed_after_peer_timeout_s() -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_WeightSyncServiceServicer_to_server(_HungPeer(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    metrics = WeightsyncMetrics(Metrics("weightsync"))
+    events = EventLog(10)
+    local = LocalEngines([], router=None, metrics=metrics, events=events, request_timeout_s=5)
+    peers = Peers([address], "", 0, timeout_s=0.5)
+    runner = RolloutRunner("job", local, peers, lambda name: pytest.fail("no local engine"), events, metrics)
+    try:
+        outcomes = await asyncio.wait_for(runner.run(RolloutPlan(3, "delta", "abort", 1, 10.0)), 60)  # hang guard
+    finally:
+        await peers.close()
+        await server.stop(0)
+    assert len(outcomes) == 1 and outcomes[0].update_failed and outcomes[0].daemon == address
+    assert "Deadline Exceeded" in outcomes[0].error or "DEADLINE_EXCEEDED" in outcomes[0].error
 
 
 async def test_event_log_replays_from_a_version_then_follows() -> None:

@@ -1,9 +1,10 @@
 """The admin operations behind RouterAdminService (gRPC) and its HTTP mirror under /admin/v1/.
 
-Register (idempotent by pool + url; probes the engine once so its state, capacity and version are known when the
-call returns), deregister, drain (optionally waiting until nothing is in flight or queued — weight-sync drains an
-engine, updates it, then undrains it), undrain (re-reads the weight version first, so requests demanding the new
-version reach the engine at once), list, stats. Both transports call these and only translate types.
+Register (idempotent by pool + url; probes the engine once so its state — paused included —, capacity and version
+are known when the call returns), deregister, drain (optionally waiting until nothing is in flight or queued, at
+most the given timeout or `drain_timeout_s` — weight-sync drains an engine, updates it, then undrains it),
+undrain (re-reads the weight version first, so requests demanding the new version reach the engine at once, and
+re-checks an engine found paused), list, stats. Both transports call these and only translate types.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class RouterAdmin:
         if not engine.health.healthy and await self.monitor.prober.health(engine.url):
             engine.health.force(True)
             engine.breaker.reset()
+        # Found paused (e.g. at registration, while an update that began before this router started held it): the
+        # caller has resumed it, so one passing generation check now lets it take requests again; if it fails, the
+        # monitor keeps checking it.
+        if engine.paused:
+            await self.monitor.check_serving(pool, engine, failures_to_pause=1)
         engine.draining = False
         log.info("engine undrained", extra={"pool": pool.name, "engine": engine.url})
         return pool.snapshot(engine)

@@ -1,7 +1,10 @@
 """One engine as the router sees it: address, source, admission slots, health, circuit breaker, weight version.
 
-An `Engine` is *available* when it is healthy, not draining and its breaker lets requests through; only available
-engines are offered to a routing policy. Its `weight_version` is the integer form of SGLang's `weight_version`
+An `Engine` is *available* when it is healthy, not paused, not draining and its breaker lets requests through;
+only available engines are offered to a routing policy. *Paused* means its generation check failed (monitor.py):
+SGLang answers /health while /pause_generation holds every new request, so health alone would route requests into
+a pause that may last until a weight update resumes the engine. A paused engine is listed as unhealthy (the
+admin contract has no paused state). Its `weight_version` is the integer form of SGLang's `weight_version`
 string (miles engines report str(int)); a non-integer version ("default") is unknown and never satisfies a
 `min_weight_version`.
 """
@@ -68,14 +71,21 @@ class Engine:
     """Explicit limit from RegisterEngine (0 = none: engine-reported or router default)."""
     weight_version: int | None = None
     draining: bool = False
+    paused: bool = False
+    """The generation check failed (SGLang paused, or loading weights): no requests until a check passes."""
+    serving_check_failures: int = 0
+    """Consecutive failed generation checks while not paused (hysteresis before pausing a serving engine)."""
+    serving_check_supported: bool = True
+    """False once the engine answered the generation check with 404/405 (no such route: never checked again)."""
     kv_capacity_tokens: int | None = None
     removed: bool = False
     last_health_check_s: float = field(default=-1e18)
     last_version_poll_s: float = field(default=-1e18)
+    last_serving_check_s: float = field(default=-1e18)
 
     def is_available(self, now_s: float | None = None) -> bool:
-        """Healthy, not draining, not removed, and the circuit breaker lets requests through."""
-        if self.removed or self.draining or not self.health.healthy:
+        """Healthy, not paused, not draining, not removed, and the circuit breaker lets requests through."""
+        if self.removed or self.draining or self.paused or not self.health.healthy:
             return False
         return self.breaker.allows(time.monotonic() if now_s is None else now_s)
 
@@ -87,7 +97,7 @@ class Engine:
     def state(self, now_s: float | None = None) -> EngineState:
         if self.draining:
             return EngineState.DRAINED if self.slots.is_idle() else EngineState.DRAINING
-        if not self.health.healthy:
+        if not self.health.healthy or self.paused:
             return EngineState.UNHEALTHY
         if not self.breaker.allows(time.monotonic() if now_s is None else now_s):
             return EngineState.UNHEALTHY

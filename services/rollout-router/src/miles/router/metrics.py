@@ -186,7 +186,12 @@ class EngineCollector(Collector):
             ),
             "healthy": GaugeMetricFamily(
                 self._name("engine_healthy"),
-                "1 when the engine takes requests (healthy, breaker closed)",
+                "1 when the engine takes requests (healthy, not paused, breaker closed)",
+                labels=labels,
+            ),
+            "paused": GaugeMetricFamily(
+                self._name("engine_paused"),
+                "1 while the generation check finds the engine paused (it answers /health but holds requests)",
                 labels=labels,
             ),
             "draining": GaugeMetricFamily(self._name("engine_draining"), "1 while draining or drained", labels=labels),
@@ -206,6 +211,7 @@ class EngineCollector(Collector):
             families["queued"].add_metric(values, engine.queued)
             families["queued_tokens"].add_metric(values, engine.queued_tokens)
             families["healthy"].add_metric(values, 1.0 if engine.state is EngineState.HEALTHY else 0.0)
+            families["paused"].add_metric(values, 1.0 if engine.paused else 0.0)
             draining = engine.state in (EngineState.DRAINING, EngineState.DRAINED)
             families["draining"].add_metric(values, 1.0 if draining else 0.0)
             version = engine.weight_version

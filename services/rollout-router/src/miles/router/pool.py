@@ -1,11 +1,11 @@
 """An engine pool: the engines of one job, its routing policy state and its counters.
 
-`select` narrows the pool to candidates — available (healthy, not draining, breaker closed), at the request's
-`min_weight_version`, not already failed for this request, with room in their queue — and asks the policy. Each
-narrowing step that empties the set has its own answer: no engine available → 503, none at the version → 409
-(retryable), every queue full → 429 + Retry-After. `acquire` then waits for a slot in the chosen engine's fair
-queue and re-selects if the engine stopped taking requests meanwhile. A request of this pool never sees an engine
-of another pool: each pool has its own engines, policy and tree.
+`select` narrows the pool to candidates — available (healthy, not paused, not draining, breaker closed), at the
+request's `min_weight_version`, not already failed for this request, with room in their queue — and asks the
+policy. Each narrowing step that empties the set has its own answer: no engine available → 503, none at the
+version → 409 (retryable), every queue full → 429 + Retry-After. `acquire` then waits for a slot in the chosen
+engine's fair queue and re-selects if the engine stopped taking requests meanwhile. A request of this pool never
+sees an engine of another pool: each pool has its own engines, policy and tree.
 """
 
 from __future__ import annotations
@@ -83,6 +83,24 @@ class EnginePool:
                 self.policy.on_engine_reset(engine.url)
             else:
                 engine.slots.reject_waiters()
+
+    def record_serving(self, engine: Engine, ok: bool | None, *, failures_to_pause: int) -> bool:
+        """One generation check: `ok` None = the engine has no such route (never paused by it). A paused engine
+        serves again after one success; a serving one is paused after `failures_to_pause` consecutive failures
+        (its queued requests then go elsewhere). Returns True when `paused` changed."""
+        if ok is None:
+            engine.serving_check_supported = False
+            ok = True
+        was_paused = engine.paused
+        if ok:
+            engine.serving_check_failures = 0
+            engine.paused = False
+        else:
+            engine.serving_check_failures += 1
+            if engine.serving_check_failures >= failures_to_pause:
+                engine.paused = True
+                engine.slots.reject_waiters()
+        return was_paused != engine.paused
 
     def record_version(self, engine: Engine, version: int | None, *, authoritative: bool) -> None:
         """A weight version read from the engine; new weights mean an emptied KV cache."""
@@ -169,6 +187,7 @@ class EnginePool:
             circuit_open=engine.circuit_open,
             kv_capacity_tokens=engine.kv_capacity_tokens,
             cache_tree_tokens=self.policy.cache_tree_units(engine.url),
+            paused=engine.paused,
         )
 
     def snapshots(self) -> list[EngineSnapshot]:
@@ -199,6 +218,6 @@ class EnginePool:
         for engine in self.engines.values():
             state = engine.state(now_s).value
             if state == "unhealthy" and engine.health.healthy:
-                state = "circuit open"
+                state = "paused" if engine.paused else "circuit open"
             counts[state] = counts.get(state, 0) + 1
         return ", ".join(f"{num} {state}" for state, num in sorted(counts.items()))

@@ -1,9 +1,12 @@
-"""Reads the router makes from engines besides forwarding: health, weight version, capacity.
+"""Reads the router makes from engines besides forwarding: health, generation check, weight version, capacity.
 
-Health: GET `health_check_path` (200 = healthy). Weight version: `/model_info`, then `/get_model_info` (SGLang
-before v0.5.6), then `/server_info` (its ServerArgs carry `weight_version`); the first path that answers is
-remembered per engine. Capacity: `/server_info` (or `/get_server_info`) `max_running_requests` and
-`max_total_num_tokens` (also looked up in `internal_states[0]`, where SGLang puts scheduler values).
+Health: GET `health_check_path` (200 = healthy). Generation check: GET `serving_check_path` (SGLang
+/health_generate: it generates one token, so it fails — 503, or no answer within the timeout — while generation is
+paused or a weight load holds the engine; 200 = it serves, 404/405 = the engine has no such route). Weight
+version: `/model_info`, then `/get_model_info` (SGLang before v0.5.6), then `/server_info` (its ServerArgs carry
+`weight_version`); the first path that answers is remembered per engine. Capacity: `/server_info` (or
+`/get_server_info`) `max_running_requests` and `max_total_num_tokens` (also looked up in `internal_states[0]`,
+where SGLang puts scheduler values).
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ class EngineCapacity:
 
 
 class EngineProber:
-    def __init__(self, clients: EngineClients, health_path: str, timeout_s: float) -> None:
+    def __init__(self, clients: EngineClients, health_path: str, timeout_s: float, serving_path: str = "") -> None:
         self.clients = clients
         self.health_path = health_path
+        self.serving_path = serving_path
         self.timeout_s = timeout_s
         self._version_path: dict[str, str] = {}
 
@@ -39,6 +43,19 @@ class EngineProber:
             response = await self.clients.get(url).get(url + self.health_path, timeout=self.timeout_s)
         except httpx.HTTPError:
             return False
+        return response.status_code == 200
+
+    async def serving(self, url: str) -> bool | None:
+        """Whether the engine generates now (False: paused, busy loading, or no answer within the timeout); None
+        when the check is off or the engine has no such route (404/405)."""
+        if not self.serving_path:
+            return None
+        try:
+            response = await self.clients.get(url).get(url + self.serving_path, timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return False
+        if response.status_code in (404, 405):
+            return None
         return response.status_code == 200
 
     async def weight_version(self, url: str) -> tuple[bool, int | None]:

@@ -47,7 +47,9 @@ class RouterService:
         registry = PoolRegistry(settings, router_metrics, clock)
         metrics.registry.register(EngineCollector(metrics, registry.engine_snapshots, registry.pool_stats))
         clients = EngineClients(settings)
-        prober = EngineProber(clients, settings.health_check_path, settings.health_check_timeout_s)
+        prober = EngineProber(
+            clients, settings.health_check_path, settings.health_check_timeout_s, settings.serving_check_path
+        )
         monitor = EngineMonitor(registry, prober, settings, clock)
         admin = RouterAdmin(registry, monitor, settings, clients)
 

@@ -169,11 +169,25 @@ class RouterSettings(ServiceSettings):
     circuit_open_s: float = Field(default=30.0, gt=0)
     """Seconds an open breaker keeps requests away before letting trial requests through (half-open)."""
 
+    serving_check_path: str = "/health_generate"
+    """Engine path that generates one token (SGLang /health_generate: 503, or no answer within
+    health_check_timeout_s, while generation is paused or a weight load runs). A paused SGLang engine still
+    answers /health and holds new requests instead of refusing them, so an engine whose check fails is marked
+    paused and gets no requests until a check passes. Checked at registration and at undrain of a paused engine
+    (one failure pauses), every serving_check_interval_s while it serves (health_failure_threshold consecutive
+    failures pause), every health_check_interval_s while paused (one success ends it). An engine that answers
+    404/405 has no such route and is never marked paused. "" = off."""
+
+    serving_check_interval_s: float = Field(default=30.0, gt=0)
+    """Seconds between generation checks (serving_check_path) of an engine that serves; draining engines are not
+    checked (their caller undrains them once they serve)."""
+
     version_poll_interval_s: float = Field(default=2.0, gt=0)
     """Seconds between reads of an engine's weight_version (/model_info, /get_model_info, /server_info)."""
 
-    drain_timeout_s: float = Field(default=600.0, gt=0)
-    """DrainEngine wait limit when the request gives none, seconds."""
+    drain_timeout_s: float = Field(default=60.0, gt=0)
+    """DrainEngine wait limit when the request gives none, seconds (weight-sync and the controller pass their
+    own). A drain that times out answers drained=false; the engine stays draining."""
 
     # --- Kubernetes discovery -----------------------------------------------------------------------------------
     k8s_discovery: bool = False

@@ -22,6 +22,8 @@ class EngineSnapshot:
     circuit_open: bool
     kv_capacity_tokens: int | None
     cache_tree_tokens: int
+    paused: bool = False
+    """The generation check found the engine paused (its `state` then reads unhealthy)."""
 
 
 @dataclass(frozen=True)

@@ -141,16 +141,22 @@ class DaemonClient:
         request = pb.FetchStoredVersionRequest(job_id=job_id, version=version, chunk_bytes=chunk_bytes)
         return _reraise(self.stub.FetchStoredVersion(request))
 
-    async def get_version(self, job_id: str) -> pb.GetVersionResponse:
+    async def get_version(self, job_id: str, *, timeout_s: float | None = None) -> pb.GetVersionResponse:
+        """`timeout_s`: the call's deadline (None = none); past it the call raises (DEADLINE_EXCEEDED)."""
         try:
-            response: pb.GetVersionResponse = await self.stub.GetVersion(pb.GetVersionRequest(job_id=job_id))
+            response: pb.GetVersionResponse = await self.stub.GetVersion(
+                pb.GetVersionRequest(job_id=job_id), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             raise mapped_error(exc) from exc
         return response
 
-    async def update_engines(self, request: pb.UpdateEnginesRequest) -> pb.UpdateEnginesResponse:
+    async def update_engines(
+        self, request: pb.UpdateEnginesRequest, *, timeout_s: float | None = None
+    ) -> pb.UpdateEnginesResponse:
+        """`timeout_s`: the call's deadline (None = none); past it the call raises (DEADLINE_EXCEEDED)."""
         try:
-            response: pb.UpdateEnginesResponse = await self.stub.UpdateEngines(request)
+            response: pb.UpdateEnginesResponse = await self.stub.UpdateEngines(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise mapped_error(exc) from exc
         return response

@@ -2,7 +2,13 @@
 
 Only the calls of a weight update are here (sglang-protocol.md §3): pause/continue, the three load endpoints,
 /update_weight_version, /model_info, and the NCCL group calls. A refused call (non-2xx, or `success: false`)
-raises EngineUpdateError with the engine's message; a connection failure raises EngineUnreachableError.
+raises EngineUpdateError with the engine's message; a connection failure or a timeout raises
+EngineUnreachableError.
+
+Timeouts: loads (and staging, the NCCL group calls) may legitimately take minutes on big models and get the
+client's `timeout_s`; the control calls (pause, continue, version set and read) only wait on the engine's own
+bookkeeping and get `control_timeout_s`, so a hung engine costs a failed update after seconds, not a load's limit.
+Router calls get the client's timeout, a waiting drain its wait limit on top.
 
 Both sides guard these calls with bearer tokens (miles.common.auth): engine requests carry the engines' admin API
 key, except the version read (/model_info, an info route: SGLang opens it to the `api_key` alone when the engine
@@ -33,6 +39,7 @@ class _JsonHttp:
 
     def __init__(self, base_url: str, timeout_s: float, *, bearer_token: str = "") -> None:
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         # Engines may be SGLang (uvicorn's 5 s keep-alive): idle connections go before the engine closes them.
         self._client = traced_async_client(
             base_url=self.base_url,
@@ -53,12 +60,14 @@ class _JsonHttp:
         check_success: bool = False,
         token: str = "",
         token_setting: str = "",
+        timeout_s: float | None = None,
     ) -> Any:
         """One call. `token` replaces this client's own bearer token; a 401/403 names `token_setting` (default: the
-        setting of this client's own token)."""
+        setting of this client's own token); `timeout_s` replaces the client's timeout."""
         headers = bearer_headers(token) or None
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            response = await self._client.request(method, path, json=body, headers=headers)
+            response = await self._client.request(method, path, json=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             raise EngineUnreachableError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code // 100 != 2:
@@ -83,16 +92,28 @@ class EngineClient(_JsonHttp):
     staging_supported: bool | None = None
     """Whether the engine stages tensor updates (None: not asked yet)."""
 
-    def __init__(self, base_url: str, timeout_s: float, *, admin_api_key: str = "", api_key: str = "") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float,
+        *,
+        admin_api_key: str = "",
+        api_key: str = "",
+        control_timeout_s: float | None = None,
+    ) -> None:
+        """`timeout_s` bounds each load call, `control_timeout_s` (default: the same) each control call."""
         super().__init__(base_url, timeout_s, bearer_token=admin_api_key)
         self._api_key = api_key
+        self.control_timeout_s = timeout_s if control_timeout_s is None else min(control_timeout_s, timeout_s)
 
     async def weight_version(self) -> str | None:
         """The version the engine reports (/model_info, else the deprecated /get_model_info); a refused token
         raises EngineUpdateError naming engine_api_key."""
         for path in ("/model_info", "/get_model_info"):
             try:
-                info = await self.request("GET", path, token=self._api_key, token_setting="engine_api_key")
+                info = await self.request(
+                    "GET", path, token=self._api_key, token_setting="engine_api_key", timeout_s=self.control_timeout_s
+                )
             except EngineUpdateError as exc:
                 if exc.http_status_of_engine in (401, 403):
                     raise  # names engine_api_key: the engine has an api key of its own, not (or not this) one
@@ -102,10 +123,10 @@ class EngineClient(_JsonHttp):
         return None
 
     async def pause(self, mode: str) -> None:
-        await self.request("POST", "/pause_generation", {"mode": mode})
+        await self.request("POST", "/pause_generation", {"mode": mode}, timeout_s=self.control_timeout_s)
 
     async def resume(self) -> None:
-        await self.request("POST", "/continue_generation", {})
+        await self.request("POST", "/continue_generation", {}, timeout_s=self.control_timeout_s)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> None:
         body = {
@@ -152,7 +173,8 @@ class EngineClient(_JsonHttp):
         await self.request("POST", "/apply_staged_weights", body, check_success=True)
 
     async def update_weight_version(self, version: str) -> None:
-        await self.request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        body = {"new_version": version, "abort_all_requests": False}
+        await self.request("POST", "/update_weight_version", body, timeout_s=self.control_timeout_s)
 
     async def init_weights_update_group(self, body: dict[str, Any]) -> None:
         await self.request("POST", "/init_weights_update_group", body, check_success=True)
@@ -175,9 +197,11 @@ class RouterClient(_JsonHttp):
         self.pool = pool
 
     async def drain(self, engine_url: str, *, wait: bool, timeout_s: float) -> bool:
-        """Stop new requests to the engine; with wait, until nothing is in flight (True) or timeout_s (False)."""
+        """Stop new requests to the engine; with wait, until nothing is in flight (True) or timeout_s (False). The
+        call itself may take timeout_s plus this client's timeout."""
         body = {"pool": self.pool, "url": engine_url, "wait": wait, "timeout_s": timeout_s}
-        payload = await self.request("POST", "/admin/v1/engines/drain", body)
+        call_timeout_s = self.timeout_s + (timeout_s if wait else 0.0)
+        payload = await self.request("POST", "/admin/v1/engines/drain", body, timeout_s=call_timeout_s)
         return bool(payload.get("drained")) if isinstance(payload, dict) else False
 
     async def undrain(self, engine_url: str) -> None:

@@ -6,7 +6,11 @@ The protocol for one engine (sglang-protocol.md §3, miles-agentic.md §6.2):
 1. quiesce — `drain`: DrainEngine at the router and wait until nothing is in flight (new requests go to other
    engines), then /pause_generation in_place (holds clients that bypass the router); `abort` / `retract` /
    `in_place`: DrainEngine without waiting, then /pause_generation with that mode (held requests resume on the
-   new weights: the job's partial-rollout choice);
+   new weights: the job's partial-rollout choice). The drain's wait is bounded by `drain_timeout_s`: requests
+   still in flight then are aborted by /pause_generation abort, and the update goes on. An engine this daemon left
+   paused (a failed update) is not waited for at all — requests held by that pause cannot finish before the
+   resume — and is paused with abort, which ends whatever it holds without a mix of versions (miles-engine aborts
+   held requests; SGLang keeps requests that never passed its pause gate and runs them on the new weights);
 2. apply the prepared load (its last call carries weight_version);
 3. /update_weight_version (without aborting) and read /model_info back: it must report the new version;
 4. resume — /continue_generation, then UndrainEngine (the router re-reads the version).
@@ -19,6 +23,14 @@ Version lock: the engine takes no request between 1 and 4, so it never serves a 
 fails or the per-engine timeout passes, the engine is left drained at the router and paused (so not even direct
 clients reach weights that may be half-loaded), marked failed with the error, and what this daemon believed the
 engine holds is forgotten (the next update loads in full). The next successful update resumes and undrains it.
+If the router was unreachable then (or restarted since), the engine is not drained there: the router's own
+generation check keeps a paused engine out of routing (rollout-router monitor.py).
+
+Bounds: the whole update by the per-engine timeout (sized for loads), the drain's wait by `drain_timeout_s`, each
+control call (pause, continue, version) by `control_timeout_s` (engine_client.py), the failure path's calls by
+`FAIL_CALL_TIMEOUT_S` each. Limits: `left_paused` lives in this process; a daemon restarted after leaving an engine
+paused waits up to `drain_timeout_s` for requests the pause holds (then aborts them), and an engine left paused at
+the latest version is not updated again, so nothing resumes it (the router keeps it out of routing).
 """
 
 from __future__ import annotations
@@ -40,6 +52,10 @@ from miles.weightsync.weights import WeightSet
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("drain", "abort", "retract", "in_place")
+DEFAULT_DRAIN_TIMEOUT_S = 60.0  # the settings' defaults, for callers that build LocalEngines themselves
+DEFAULT_CONTROL_TIMEOUT_S = 30.0
+FAIL_CALL_TIMEOUT_S = 10.0  # each best-effort call of the failure path (drain, pause)
+VERSION_READ_TIMEOUT_S = 5.0  # each engine's version read for GetVersion (all engines at once)
 
 
 @dataclass
@@ -95,15 +111,25 @@ class LocalEngines:
         request_timeout_s: float,
         engine_admin_api_key: str = "",
         engine_api_key: str = "",
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
     ) -> None:
         """`engine_admin_api_key` goes with every request to these engines, `engine_api_key` (when set) with the
-        version reads in its place ("" = open; see EngineClient)."""
+        version reads in its place ("" = open; see EngineClient). `request_timeout_s` bounds each load call,
+        `control_timeout_s` each control call, `drain_timeout_s` a drain's wait for in-flight requests."""
         self.router = router
         self.metrics = metrics
         self.events = events
+        self.drain_timeout_s = drain_timeout_s
         self._engines = {
             url.rstrip("/"): _EngineState(
-                EngineClient(url, request_timeout_s, admin_api_key=engine_admin_api_key, api_key=engine_api_key)
+                EngineClient(
+                    url,
+                    request_timeout_s,
+                    admin_api_key=engine_admin_api_key,
+                    api_key=engine_api_key,
+                    control_timeout_s=control_timeout_s,
+                )
             )
             for url in dict.fromkeys(urls)
         }
@@ -119,13 +145,19 @@ class LocalEngines:
             await state.client.close()
 
     async def outcomes(self) -> list[EngineOutcome]:
-        """Each engine's last outcome, with the version it reports right now (-1 when it cannot be read)."""
-        result = []
-        for url, state in self._engines.items():
+        """Each engine's last outcome, with the version it reports right now (-1 when it cannot be read within
+        VERSION_READ_TIMEOUT_S; the engines are asked at once, so dead ones cost that once, not once each)."""
+
+        async def live_version(state: _EngineState) -> int:
             try:
-                live = parse_version(await asyncio.wait_for(state.client.weight_version(), 5.0))
+                return parse_version(await asyncio.wait_for(state.client.weight_version(), VERSION_READ_TIMEOUT_S))
             except (MilesError, TimeoutError):
-                live = -1
+                return -1
+
+        states = list(self._engines.items())
+        versions = await asyncio.gather(*(live_version(state) for _, state in states))
+        result = []
+        for (url, state), live in zip(states, versions, strict=True):
             self.metrics.engine_version.labels(url).set(live)
             result.append(EngineOutcome(**{**state.outcome.__dict__, "weight_version": live}))
         return result
@@ -153,7 +185,7 @@ class LocalEngines:
                         prepared = await transport.prepare(state.outcome.engine_url, version, state.weights)
                         prepared = await transport.stage(state.client, prepared)
                     prepared_s = time.perf_counter()
-                    result, paused_at_s = await self._swap(state, prepared, transport, pause_mode, timeout_s)
+                    result, paused_at_s = await self._swap(state, prepared, transport, pause_mode)
                     pause_s = time.perf_counter() - paused_at_s
             except Exception as exc:  # any failure must leave the engine drained and reported, never serving
                 await self._fail(state, version, exc)
@@ -196,27 +228,14 @@ class LocalEngines:
         )
 
     async def _swap(
-        self,
-        state: _EngineState,
-        prepared: PreparedLoad,
-        transport: WeightTransport,
-        pause_mode: str,
-        timeout_s: float,
+        self, state: _EngineState, prepared: PreparedLoad, transport: WeightTransport, pause_mode: str
     ) -> tuple[LoadResult, float]:
         """Quiesce, apply the prepared load, set and check the version, resume: the only time the engine pauses.
         Returns the result and when the engine stopped serving (the pause; a drain's wait for in-flight requests to
         finish comes before it, while the engine still serves them)."""
         url, version = state.outcome.engine_url, prepared.version
         with self._stage(state, "quiesce"):
-            if self.router is not None:
-                drained = await self.router.drain(url, wait=pause_mode == "drain", timeout_s=timeout_s)
-                if pause_mode == "drain" and not drained:
-                    raise EngineUpdateError(f"engine {url} still had requests in flight after {timeout_s}s")
-            # drain: nothing is in flight any more; the in_place pause only holds clients that reach the engine
-            # directly (not through the router), so that none of them meets half-loaded weights.
-            paused_at_s = time.perf_counter()
-            await state.client.pause("in_place" if pause_mode == "drain" else pause_mode)
-            state.left_paused = True
+            paused_at_s = await self._quiesce(state, pause_mode)
         state.weights = None  # unknown until the load is confirmed
         with self._stage(state, "load"):
             result = await transport.apply(state.client, prepared)
@@ -233,6 +252,29 @@ class LocalEngines:
             if self.router is not None:
                 await self.router.undrain(url)
         return result, paused_at_s
+
+    async def _quiesce(self, state: _EngineState, pause_mode: str) -> float:
+        """Drain at the router (waiting at most drain_timeout_s, see the module docstring), then pause; returns when
+        the pause began."""
+        url = state.outcome.engine_url
+        pause = "in_place" if pause_mode == "drain" else pause_mode
+        if self.router is not None:
+            wait = pause_mode == "drain" and not state.left_paused
+            drained = await self.router.drain(url, wait=wait, timeout_s=self.drain_timeout_s)
+            if pause_mode == "drain" and not drained:
+                reason = "left_paused" if state.left_paused else "timeout"
+                self.metrics.drain_waits_cut.labels(reason).inc()
+                log.warning(
+                    "requests still in flight at the router: the engine is paused with abort",
+                    extra={"engine_url": url, "reason": reason, "drain_timeout_s": self.drain_timeout_s},
+                )
+                pause = "abort"
+        # drain: nothing is in flight any more (or it was aborted); the in_place pause only holds clients that reach
+        # the engine directly (not through the router), so that none of them meets half-loaded weights.
+        paused_at_s = time.perf_counter()
+        await state.client.pause(pause)
+        state.left_paused = True
+        return paused_at_s
 
     @contextlib.contextmanager
     def _stage(self, state: _EngineState, name: str) -> Iterator[None]:
@@ -255,8 +297,8 @@ class LocalEngines:
         self.metrics.failures.labels(state.stage).inc()
         with contextlib.suppress(Exception):  # best effort: the engine may be what failed
             if self.router is not None:
-                await asyncio.wait_for(self.router.drain(url, wait=False, timeout_s=1.0), 10.0)
+                await asyncio.wait_for(self.router.drain(url, wait=False, timeout_s=1.0), FAIL_CALL_TIMEOUT_S)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(state.client.pause("abort"), 10.0)
+            await asyncio.wait_for(state.client.pause("abort"), FAIL_CALL_TIMEOUT_S)
             state.left_paused = True
         await self.events.emit(VersionEvent(ENGINE_UPDATE_FAILED, version, url, error=message))

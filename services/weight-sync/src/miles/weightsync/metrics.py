@@ -68,6 +68,13 @@ class WeightsyncMetrics:
         self.failures = metrics.counter(
             "failures", "Failures by stage (publish, quiesce, load, set_version, resume, replicate, peer)", ["stage"]
         )
+        self.drain_waits_cut = metrics.counter(
+            "drain_waits_cut",
+            "Drain-mode updates that paused the engine with abort while requests were still in flight at the router, "
+            "by reason: timeout (drain_timeout_s passed), left_paused (this daemon had left the engine paused, so "
+            "those requests could not finish; not waited for)",
+            ["reason"],
+        )
         self.engine_version = metrics.gauge(
             "engine_weight_version", "Version an engine serves (-1: unknown)", ["engine"]
         )

@@ -8,6 +8,11 @@ to its engine. Peers come from `peers` and from resolving `peers_dns` (a headles
 One rollout runs at a time per daemon; each engine's update is independent (engines.py): one failing leaves
 that engine drained and reported and the rollout continues with the others. Afterwards the engine version skew
 (newest - oldest version served) is recorded.
+
+Peers are asked at once, each GetVersion with a deadline of `timeout_s` (peer_timeout_s), and an UpdateEngines on
+a peer gets the per-engine timeout plus `timeout_s`: a peer that hangs (stopped, partitioned) is reported as failed
+after that, never waited on for good. Limits: a peer's update legitimately runs up to the per-engine timeout, so a
+peer that hangs in the middle of one holds its slot of `max_engines_updating` that long.
 """
 
 from __future__ import annotations
@@ -79,11 +84,15 @@ class Peers:
     """The other daemons of the job this daemon coordinates: static addresses plus a DNS name resolved each time.
     Calls to them carry `auth_token` (the job's weight-sync token)."""
 
-    def __init__(self, static: list[str], dns: str, own_port: int, *, auth_token: str = "") -> None:
+    def __init__(
+        self, static: list[str], dns: str, own_port: int, *, auth_token: str = "", timeout_s: float = 30.0
+    ) -> None:
+        """`timeout_s`: deadline of GetVersion, and what UpdateEngines gets beyond the per-engine timeout."""
         self.static = static
         self.dns = dns
         self.own_port = own_port
         self.auth_token = auth_token
+        self.timeout_s = timeout_s
         self._clients: dict[str, DaemonClient] = {}
 
     def addresses(self) -> list[str]:
@@ -107,14 +116,19 @@ class Peers:
         peer that could not be asked (its engines are unknown; reported, never silently skipped)."""
         found: list[tuple[str, EngineOutcome]] = []
         unreachable: list[EngineOutcome] = []
-        for address in self.addresses():
-            try:
-                response = await self.client(address).get_version(job_id)
-            except MilesError as exc:
-                log.warning("peer daemon unreachable", extra={"peer": address, "error": exc.message})
-                unreachable.append(EngineOutcome("", -1, True, f"peer {address}: {exc.message}", daemon=address))
+        addresses = self.addresses()
+        answers = await asyncio.gather(
+            *(self.client(address).get_version(job_id, timeout_s=self.timeout_s) for address in addresses),
+            return_exceptions=True,
+        )
+        for address, answer in zip(addresses, answers, strict=True):
+            if isinstance(answer, MilesError):
+                log.warning("peer daemon unreachable", extra={"peer": address, "error": answer.message})
+                unreachable.append(EngineOutcome("", -1, True, f"peer {address}: {answer.message}", daemon=address))
                 continue
-            found += [(address, outcome_from_pb(engine, address)) for engine in response.engines if not engine.daemon]
+            if isinstance(answer, BaseException):
+                raise answer
+            found += [(address, outcome_from_pb(engine, address)) for engine in answer.engines if not engine.daemon]
         return found, unreachable
 
     async def close(self) -> None:
@@ -210,7 +224,8 @@ class RolloutRunner:
             step_finished_unix_ms=plan.step_finished_unix_ms,
         )
         try:
-            response = await self.peers.client(daemon).update_engines(request)
+            timeout_s = plan.engine_timeout_s + self.peers.timeout_s
+            response = await self.peers.client(daemon).update_engines(request, timeout_s=timeout_s)
         except MilesError as exc:
             self.metrics.failures.labels("peer").inc()
             return EngineOutcome(url, -1, True, f"peer {daemon}: {exc.message}", daemon=daemon)

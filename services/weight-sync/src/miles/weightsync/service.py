@@ -55,7 +55,7 @@ def _router_client(settings: WeightsyncSettings) -> RouterClient | None:
     if not settings.router_url:
         return None
     admin_token = settings.router_admin_token.get_secret_value()
-    return RouterClient(settings.router_url, settings.pool, settings.engine_request_timeout_s, admin_token=admin_token)
+    return RouterClient(settings.router_url, settings.pool, settings.control_timeout_s, admin_token=admin_token)
 
 
 class WeightSyncCore:
@@ -92,8 +92,12 @@ class WeightSyncCore:
             request_timeout_s=settings.engine_request_timeout_s,
             engine_admin_api_key=settings.engine_admin_api_key.get_secret_value(),
             engine_api_key=settings.engine_api_key.get_secret_value(),
+            drain_timeout_s=settings.drain_timeout_s,
+            control_timeout_s=settings.control_timeout_s,
         )
-        self.peers = Peers(settings.peers, settings.peers_dns, settings.port, auth_token=auth_token)
+        self.peers = Peers(
+            settings.peers, settings.peers_dns, settings.port, auth_token=auth_token, timeout_s=settings.peer_timeout_s
+        )
         self.rollouts = RolloutRunner(self.job_id, self.local, self.peers, self.transport, self.events, self.metrics)
         self.intake = PublishIntake(
             settings,

@@ -84,7 +84,24 @@ class WeightsyncSettings(ServiceSettings):
     """Default bound on engines updating at once, so generation never stops as a whole."""
 
     engine_timeout_s: float = Field(default=600.0, gt=0)
-    """Default limit for one engine's quiesce + load + resume, seconds."""
+    """Default limit for one engine's prepare + quiesce + load + resume, seconds (sized for loading big weights;
+    the waits on other parties inside it have their own, shorter bounds: drain_timeout_s, control_timeout_s)."""
+
+    drain_timeout_s: float = Field(default=60.0, gt=0)
+    """pause_mode drain: longest wait at the router for the engine's in-flight requests to finish, seconds. After
+    it the engine is paused with abort (those requests end with finish_reason abort) and the update goes on, so
+    requests that cannot finish cannot hold an update for engine_timeout_s. No wait at all when this daemon left
+    the engine paused (a failed update): the requests that pause holds cannot finish before the resume."""
+
+    control_timeout_s: float = Field(default=30.0, gt=0)
+    """HTTP timeout of the calls that only wait on another party's bookkeeping, seconds: an engine's
+    /pause_generation, /continue_generation, /update_weight_version and /model_info, and each router admin call
+    (a waiting drain gets drain_timeout_s on top). Capped by engine_request_timeout_s."""
+
+    peer_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of a GetVersion call to a peer daemon (it reads its engines' versions), seconds; an UpdateEngines
+    call to a peer gets the engine timeout plus this (the peer bounds its update by the engine timeout itself).
+    A peer that does not answer in time is reported as failed, like an unreachable one."""
 
     auto_update: bool = True
     """Roll every stored version out to the engines right after PublishWeights (newest wins when they queue up)."""
@@ -136,7 +153,8 @@ class WeightsyncSettings(ServiceSettings):
     """Largest version accepted by PublishWeights (raw bytes); it is held in memory until committed."""
 
     engine_request_timeout_s: float = Field(default=600.0, gt=0)
-    """HTTP timeout of one engine or router call (loads can take long on big models)."""
+    """HTTP timeout of one weight-load call to an engine (/update_weights_from_*, staging, the NCCL group calls),
+    seconds: loads can take long on big models. Control and router calls use control_timeout_s."""
 
     event_history: int = Field(default=1000, ge=1)
     """Version events remembered for WatchVersions replays."""
