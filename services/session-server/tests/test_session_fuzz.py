@@ -159,7 +159,8 @@ def test_wrong_tokens_oversized_prompts_and_concurrent_turns(session: Session, o
     valid = {"messages": [*session.history, {"role": "user", "content": "q"}]}
 
     @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(header=st.text(max_size=40).filter(lambda h: h.isascii() and h.isprintable()))
+    # httpx refuses header values with leading or trailing whitespace: the client, not the server, would fail.
+    @given(header=st.text(max_size=40).filter(lambda h: h.isascii() and h.isprintable() and h == h.strip()))
     def wrong_token(header: str) -> None:
         response = session.chat(valid, headers={"authorization": header})
         assert response.status_code in (401, 403), response.text

@@ -103,7 +103,16 @@ class JobList(BaseModel):
 class ResizeRequest(BaseModel):
     """`PATCH /v1/jobs/{id}`: new pool sizes of a PENDING or RUNNING job (absent: unchanged)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        # What `_something_to_change` checks, stated in the schema: at least one of the two, as a number.
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["engines"], "properties": {"engines": {"type": "integer"}}},
+                {"required": ["rollout_workers"], "properties": {"rollout_workers": {"type": "integer"}}},
+            ]
+        },
+    )
 
     engines: int | None = Field(default=None, ge=1, le=64, description="Engine replicas (1..64)")
     rollout_workers: int | None = Field(default=None, ge=1, le=256, description="Rollout-worker replicas (1..256)")

@@ -3,7 +3,8 @@
 Routes (all under bearer auth when api tokens are configured; probes, metrics and /openapi.json stay open):
 POST /v1/jobs, GET /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/events (SSE), POST /v1/jobs/{id}/cancel,
 PATCH /v1/jobs/{id}, DELETE /v1/jobs/{id}. Errors are `{"error": {...}}` bodies from the common app factory;
-invalid bodies are 422 naming the field path (`body.train.num_steps`).
+invalid bodies are 422 naming the field path (`body.train.num_steps`). Every status a route answers is in its
+`responses` (the OpenAPI document is checked against the server by a schemathesis run in the tests).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from miles.controller.jobs import JobState
 from miles.controller.service import JobService
 
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
-_EVENT_ID_RE = re.compile(r"^(0|\d{1,20}-\d{1,20})$")
+# A Redis stream id `<ms>-<seq>`, each part below 2**64 (19 digits keep it so; Redis refuses larger ones).
+_EVENT_ID_RE = re.compile(r"^(0|\d{1,19}-\d{1,19})$")
+EVENT_ID_SCHEMA: dict[str, Any] = {"pattern": _EVENT_ID_RE.pattern}
+"""Stated in the schema; checked by the route (400 naming Last-Event-ID, before the stream starts)."""
 
 JOB_SPEC_EXAMPLES: dict[str, Any] = {
     "calculator": {
@@ -50,6 +54,54 @@ JOB_SPEC_EXAMPLES: dict[str, Any] = {
 """Shown in /openapi.json (and used by the property-based API test as a known-good body)."""
 
 JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN, description="Job id (as returned by POST /v1/jobs)")]
+
+JOB_EVENT_SCHEMA: dict[str, Any] = {
+    "description": "One event of a job's stream (the schema of each event, as OpenAPI 3.1 reads `text/event-stream`)",
+    "type": "object",
+    "required": ["id", "event", "data"],
+    "properties": {
+        "id": {"type": "string", "pattern": r"^\d+-\d+$", "description": "Event id; resume with Last-Event-ID"},
+        "event": {
+            "type": "string",
+            "description": "state | started | progress | error | cancel_requested | resize_requested | resized | "
+            "resumed",
+        },
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {
+                "type": "object",
+                "required": ["job_id"],
+                "properties": {"job_id": {"type": "string"}, "state": {"type": "string"}},
+            },
+        },
+    },
+}
+Responses = dict[int | str, dict[str, Any]]
+ROUTER_RESPONSES: Responses = {
+    401: {"description": "No `Authorization: Bearer <token>`, or a token that is not one of the api tokens"},
+    503: {"description": "Redis (the controller's store) cannot be reached; retry after Retry-After"},
+}
+NOT_FOUND: Responses = {404: {"description": "No job with this id (never submitted, or deleted)"}}
+_LOCATION = {"description": "/v1/jobs/<job_id>", "required": True, "schema": {"type": "string"}}
+SUBMIT_RESPONSES: Responses = {
+    201: {"description": "The job, PENDING", "headers": {"Location": _LOCATION}},
+    200: {
+        "model": JobView,
+        "description": "Replay: the job an earlier request with this key made",
+        "headers": {
+            "Location": _LOCATION,
+            "Idempotent-Replayed": {"required": True, "schema": {"type": "string", "enum": ["true"]}},
+        },
+    },
+    400: {
+        "description": "A spec whose fields are valid one by one but not together (e.g. an off-policy correction "
+        "applied twice: train.correction.mode), or that this controller's backend cannot run (e.g. "
+        "resources.engines.kind); `field` names it"
+    },
+    422: {"description": "The spec breaks the schema (`field` names it), or an Idempotency-Key came with another body"},
+    429: {"description": "max_active_jobs jobs are already PENDING or RUNNING"},
+}
 _bearer = HTTPBearer(auto_error=False, description="One of the controller's api tokens")
 
 
@@ -78,18 +130,7 @@ def _format_sse(event_id: str, event_type: str, data: dict[str, Any]) -> bytes:
 
 def _job_routes(router: APIRouter, service: JobService) -> None:
     @router.post(
-        "/v1/jobs",
-        status_code=201,
-        response_model=JobView,
-        responses={
-            200: {"model": JobView, "description": "Replay: the job an earlier request with this key made"},
-            400: {
-                "description": "A spec whose fields are valid one by one but not together (e.g. an off-policy "
-                "correction applied twice: train.correction.mode), or that this controller's backend cannot run "
-                "(e.g. resources.engines.kind); `field` names it"
-            },
-        },
-        summary="Submit a job",
+        "/v1/jobs", status_code=201, response_model=JobView, responses=SUBMIT_RESPONSES, summary="Submit a job"
     )
     async def submit_job(
         spec: Annotated[JobSpec, Body(openapi_examples=JOB_SPEC_EXAMPLES)],
@@ -120,14 +161,23 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         records = await service.list(limit=limit, offset=offset, state=state)
         return JobList(jobs=[JobView.of(record) for record in records])
 
-    @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="One job: state, progress, metrics, errors")
+    @router.get(
+        "/v1/jobs/{job_id}",
+        response_model=JobView,
+        responses=NOT_FOUND,
+        summary="One job: state, progress, metrics, errors",
+    )
     async def get_job(job_id: JobId) -> JobView:
         return JobView.of(await service.get(job_id))
 
     @router.post(
         "/v1/jobs/{job_id}/cancel",
         response_model=JobView,
-        responses={202: {"model": JobView, "description": "Cancellation requested; the job is still stopping"}},
+        responses={
+            202: {"model": JobView, "description": "Cancellation requested; the job is still stopping"},
+            **NOT_FOUND,
+            409: {"description": "The job already SUCCEEDED or FAILED (`code: job_state_conflict`)"},
+        },
         summary="Cancel a job",
     )
     async def cancel_job(job_id: JobId, response: Response) -> JobView:
@@ -135,11 +185,22 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         response.status_code = 200 if record.state.is_terminal else 202
         return JobView.of(record)
 
-    @router.patch("/v1/jobs/{job_id}", status_code=202, response_model=JobView, summary="Resize a job's pools")
+    @router.patch(
+        "/v1/jobs/{job_id}",
+        status_code=202,
+        response_model=JobView,
+        responses={**NOT_FOUND, 409: {"description": "The job has ended or is being cancelled: nothing to resize"}},
+        summary="Resize a job's pools",
+    )
     async def resize_job(job_id: JobId, body: ResizeRequest) -> JobView:
         return JobView.of(await service.resize(job_id, body))
 
-    @router.delete("/v1/jobs/{job_id}", status_code=204, summary="Delete an ended job")
+    @router.delete(
+        "/v1/jobs/{job_id}",
+        status_code=204,
+        responses={**NOT_FOUND, 409: {"description": "The job is still active: cancel it first"}},
+        summary="Delete an ended job",
+    )
     async def delete_job(job_id: JobId) -> Response:
         await service.delete(job_id)
         return Response(status_code=204)
@@ -147,13 +208,31 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
     @router.get(
         "/v1/jobs/{job_id}/events",
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+        responses={
+            200: {
+                "description": "Server-sent events: `id: <ms>-<seq>`, `event: <type>`, `data: <JSON>` per event, "
+                "keep-alive comments while idle; the stream ends after the job's terminal `state` event",
+                "content": {"text/event-stream": {"schema": JOB_EVENT_SCHEMA}},
+            },
+            400: {"description": "Last-Event-ID (or `after`) is not an event id (`<ms>-<seq>`)"},
+            **NOT_FOUND,
+        },
         summary="Server-sent events of a job (resumable with Last-Event-ID)",
     )
     async def job_events(
         job_id: JobId,
-        last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
-        after: Annotated[str | None, Query(max_length=64, description="Same as Last-Event-ID")] = None,
+        last_event_id: Annotated[
+            str | None,
+            Header(
+                alias="Last-Event-ID",
+                max_length=64,
+                description="Resume after this event id (`0`: from the start)",
+                json_schema_extra=EVENT_ID_SCHEMA,
+            ),
+        ] = None,
+        after: Annotated[
+            str | None, Query(max_length=64, description="Same as Last-Event-ID", json_schema_extra=EVENT_ID_SCHEMA)
+        ] = None,
     ) -> StreamingResponse:
         after_id = last_event_id or after or "0"
         if not _EVENT_ID_RE.match(after_id):
@@ -178,6 +257,24 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
 
+def require_job_end(document: dict[str, Any]) -> None:
+    """JobSpec's schema as the controller enforces it (in place): a job needs `train` with `num_steps` >= 1.
+
+    JobSpec's validator refuses `num_steps` 0, but the shared TrainConfig allows it (0 = train until stopped, for a
+    trainer run by hand), so its generated schema says `minimum: 0` with default 0: stated here instead."""
+    schemas = document["components"]["schemas"]
+    for name, schema in schemas.items():
+        if name == "JobSpec" or name.startswith("JobSpec-"):
+            schema["required"] = sorted({*schema.get("required", []), "train"})
+            schema["properties"]["train"].pop("default", None)
+        elif name == "TrainConfig" or name.startswith("TrainConfig-"):
+            schema["required"] = sorted({*schema.get("required", []), "num_steps"})
+            num_steps = schema["properties"]["num_steps"]
+            num_steps.pop("default", None)
+            num_steps["minimum"] = 1
+            num_steps["description"] = "Trainer steps of the job (>= 1): it SUCCEEDS after the last one"
+
+
 def build_app(
     service: JobService,
     metrics: Metrics,
@@ -193,8 +290,9 @@ def build_app(
         readiness_checks=readiness_checks,
         lifespan=lifespan,
         title="miles-controller",
+        openapi_hooks=[require_job_end],
     )
-    router = APIRouter(dependencies=[Depends(TokenCheck(api_tokens))], tags=["jobs"])
+    router = APIRouter(dependencies=[Depends(TokenCheck(api_tokens))], tags=["jobs"], responses=ROUTER_RESPONSES)
     _job_routes(router, service)
     app.include_router(router)
     return app

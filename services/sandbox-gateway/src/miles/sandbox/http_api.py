@@ -18,7 +18,11 @@ Every route needs `Authorization: Bearer <token>` unless the gateway runs open (
 403 for a token that is not accepted, 404 (destroy: `destroyed: false`) for another job's sandbox. /healthz,
 /readyz and /metrics (the common app's) stay open.
 
-This is also the API the remote backend speaks to a provider (see remote_backend.py).
+This is also the API the remote backend speaks to a provider (see remote_backend.py). What each route answers
+(statuses, media types, headers) and the bounds of its input are in the OpenAPI document (openapi_docs.py).
+
+Bounds are checked once for both transports by validation.py (400 naming the field); the body models only state
+them in the schema (`json_schema_extra`), so that HTTP and gRPC refuse the same input the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,15 +54,47 @@ from miles.sandbox.models import (
     OutputChunk,
     SandboxInfo,
 )
+from miles.sandbox.openapi_docs import (
+    CREATE_EXAMPLES,
+    CREATE_RESPONSES,
+    EXEC_EXAMPLES,
+    EXEC_RESPONSES,
+    FILE_PATH_EXAMPLES,
+    INVALID,
+    NDJSON,
+    READ_RESPONSES,
+    WRITE_BODY,
+    WRITE_RESPONSES,
+)
+from miles.sandbox.validation import MAX_JOB_ID_CHARS, MAX_PATH_CHARS
 
-NDJSON = "application/x-ndjson"
 Authorization = Annotated[
     str | None,
     Header(description="`Bearer <token>`: the gateway's operator token, or the job's capability (sandbox_token)"),
 ]
-NOT_FOUND_RESPONSES: dict[int | str, dict[str, Any]] = {
-    404: {"description": "No live sandbox with this id, or one of another job (a job's token cannot tell which)"}
-}
+BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+"""What `base64.b64decode(validate=True)` accepts."""
+NON_NEGATIVE: dict[str, Any] = {"minimum": 0}
+"""Stated in the schema, checked by validation.py (0 = the template's or the gateway's default)."""
+
+
+FilePath = Annotated[
+    str,
+    Query(
+        description="A file in the work dir (relative, or absolute under it)",
+        openapi_examples=FILE_PATH_EXAMPLES,
+        json_schema_extra={"minLength": 1, "maxLength": MAX_PATH_CHARS, "pattern": "^[^\\x00]+$"},
+    ),
+]
+FileMode = Annotated[
+    str,
+    Query(description="Octal permission bits, e.g. 644 (empty: 644)", json_schema_extra={"pattern": "^[0-7]{0,3}$"}),
+]
+MaxBytes = Annotated[int, Query(description="Most bytes to return (0: max_read_bytes)", json_schema_extra=NON_NEGATIVE)]
+
+
+class Destroyed(BaseModel):
+    destroyed: bool = Field(description="False for an id that is not live (or is another job's sandbox)")
 
 
 class LimitsBody(BaseModel):
@@ -66,12 +102,12 @@ class LimitsBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    cpu_s: float = 0.0
-    memory_bytes: int = 0
-    max_processes: int = 0
-    max_open_files: int = 0
-    max_file_bytes: int = 0
-    max_output_bytes: int = 0
+    cpu_s: float = Field(default=0.0, json_schema_extra=NON_NEGATIVE)
+    memory_bytes: int = Field(default=0, json_schema_extra=NON_NEGATIVE)
+    max_processes: int = Field(default=0, json_schema_extra=NON_NEGATIVE)
+    max_open_files: int = Field(default=0, json_schema_extra=NON_NEGATIVE)
+    max_file_bytes: int = Field(default=0, json_schema_extra=NON_NEGATIVE)
+    max_output_bytes: int = Field(default=0, json_schema_extra=NON_NEGATIVE)
 
     def to_limits(self) -> Limits:
         return Limits(**self.model_dump())
@@ -91,11 +127,15 @@ class NetworkBody(BaseModel):
 class CreateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    job_id: str = ""
-    template: str = ""
+    job_id: str = Field(default="", json_schema_extra={"maxLength": MAX_JOB_ID_CHARS})
+    template: str = Field(default="", description="A template of the gateway's; empty: its default template")
     env: dict[str, str] = Field(default_factory=dict)
     limits: LimitsBody = LimitsBody()
-    ttl_s: float = 0.0
+    ttl_s: float = Field(
+        default=0.0,
+        description="Idle seconds before the reaper destroys the sandbox; 0: the gateway's default_ttl_s",
+        json_schema_extra=NON_NEGATIVE,
+    )
     network: NetworkBody = NetworkBody()
 
 
@@ -107,16 +147,37 @@ class CreateReply(BaseModel):
     warm: bool
 
 
+EXEC_BODY_RULES: dict[str, Any] = {
+    "allOf": [
+        {
+            "oneOf": [
+                {"required": ["argv"], "properties": {"argv": {"type": "array"}}},
+                {"required": ["shell"], "properties": {"shell": {"type": "string"}}},
+            ]
+        },
+        {
+            "not": {
+                "required": ["stdin", "stdin_b64"],
+                "properties": {"stdin": {"minLength": 1}, "stdin_b64": {"minLength": 1}},
+            }
+        },
+    ]
+}
+"""ExecBody's rules across fields, stated in the schema (validation.py checks them, naming the field)."""
+
+
 class ExecBody(BaseModel):
     """Exactly one of argv / shell. stdin as text (UTF-8) or stdin_b64 (bytes), not both."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=EXEC_BODY_RULES)
 
-    argv: list[str] | None = None
+    argv: list[str] | None = Field(default=None, json_schema_extra={"minItems": 1})
     shell: str | None = None
     stdin: str = ""
-    stdin_b64: str = ""
-    timeout_s: float = 0.0
+    stdin_b64: str = Field(default="", json_schema_extra={"contentEncoding": "base64", "pattern": BASE64_PATTERN})
+    timeout_s: float = Field(
+        default=0.0, description="Wall-clock limit, seconds; 0: the gateway's default", json_schema_extra=NON_NEGATIVE
+    )
     cwd: str = ""
     env: dict[str, str] = Field(default_factory=dict)
     stream: bool = True
@@ -249,8 +310,10 @@ def _parse_mode(mode: str) -> int:
 def build_router(gateway: SandboxGateway, access: SandboxAccess) -> APIRouter:
     router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=AUTH_RESPONSES)
 
-    @router.post("", status_code=201)
-    async def create_sandbox(body: CreateBody, authorization: Authorization = None) -> CreateReply:
+    @router.post("", status_code=201, responses=CREATE_RESPONSES)
+    async def create_sandbox(
+        body: Annotated[CreateBody, Body(openapi_examples=CREATE_EXAMPLES)], authorization: Authorization = None
+    ) -> CreateReply:
         access.check_create(authorization, body.job_id)
         created = await gateway.create(
             CreateParams(
@@ -270,14 +333,20 @@ def build_router(gateway: SandboxGateway, access: SandboxAccess) -> APIRouter:
             warm=created.warm,
         )
 
-    @router.get("")
+    @router.get("", responses=INVALID)
     async def list_sandboxes(job_id: str = "", authorization: Authorization = None) -> dict[str, list[SandboxInfoBody]]:
         access.check_list(authorization, job_id)
         return {"sandboxes": [SandboxInfoBody.of(info) for info in gateway.list_sandboxes(job_id)]}
 
-    @router.post("/{sandbox_id}/exec", response_model=None, responses=NOT_FOUND_RESPONSES)
+    @router.post(
+        "/{sandbox_id}/exec",
+        response_model=None,
+        responses={**EXEC_RESPONSES, 200: {**EXEC_RESPONSES[200], "model": ExecCollected}},
+    )
     async def exec_in_sandbox(
-        sandbox_id: str, body: ExecBody, authorization: Authorization = None
+        sandbox_id: str,
+        body: Annotated[ExecBody, Body(openapi_examples=EXEC_EXAMPLES)],
+        authorization: Authorization = None,
     ) -> Response | ExecCollected:
         access.check_sandbox(authorization, sandbox_id)
         params = ExecParams(
@@ -293,9 +362,9 @@ def build_router(gateway: SandboxGateway, access: SandboxAccess) -> APIRouter:
             return await _collect(events)
         return StreamingResponse(_ndjson(events), media_type=NDJSON)
 
-    @router.put("/{sandbox_id}/files", responses=NOT_FOUND_RESPONSES)
+    @router.put("/{sandbox_id}/files", responses=WRITE_RESPONSES, openapi_extra=WRITE_BODY)
     async def write_file(
-        sandbox_id: str, request: Request, path: str, mode: str = "", authorization: Authorization = None
+        sandbox_id: str, request: Request, path: FilePath, mode: FileMode = "", authorization: Authorization = None
     ) -> dict[str, int]:
         access.check_sandbox(authorization, sandbox_id)
         gateway.ensure_exists(sandbox_id)  # 404 before reading a body for nothing
@@ -303,16 +372,16 @@ def build_router(gateway: SandboxGateway, access: SandboxAccess) -> APIRouter:
         written = await gateway.write_file(sandbox_id, path, data, _parse_mode(mode))
         return {"bytes_written": written}
 
-    @router.get("/{sandbox_id}/files", responses=NOT_FOUND_RESPONSES)
+    @router.get("/{sandbox_id}/files", response_class=Response, responses=READ_RESPONSES)
     async def read_file(
-        sandbox_id: str, path: str, max_bytes: int = 0, authorization: Authorization = None
+        sandbox_id: str, path: FilePath, max_bytes: MaxBytes = 0, authorization: Authorization = None
     ) -> Response:
         access.check_sandbox(authorization, sandbox_id)
         content = await gateway.read_file(sandbox_id, path, max_bytes)
         headers = {"X-Miles-File-Size": str(content.size_bytes), "X-Miles-Truncated": str(content.truncated).lower()}
         return Response(content.data, media_type="application/octet-stream", headers=headers)
 
-    @router.delete("/{sandbox_id}")
+    @router.delete("/{sandbox_id}", response_model=Destroyed)
     async def destroy_sandbox(sandbox_id: str, authorization: Authorization = None) -> JSONResponse:
         # Another job's sandbox is left alone and answered like an unknown id: idempotent, and nothing revealed.
         destroyed = access.sees_sandbox(authorization, sandbox_id) and await gateway.destroy(sandbox_id)

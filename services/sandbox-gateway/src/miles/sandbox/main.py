@@ -24,6 +24,7 @@ from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.grpc_api import SERVICE_NAME, SandboxServicer
 from miles.sandbox.http_api import build_router
 from miles.sandbox.metrics import SandboxMetrics
+from miles.sandbox.openapi_docs import state_request_bounds
 from miles.sandbox.settings import SandboxSettings
 
 SERVICE = "sandbox"
@@ -47,7 +48,12 @@ async def run(settings: SandboxSettings) -> None:
         # Oversized writes past this are refused by gRPC itself; below it, by the gateway naming the field.
         max_message_bytes=max(settings.max_write_bytes, settings.max_read_bytes) + GRPC_HEADROOM_BYTES,
     )
-    app = create_http_app(service=SERVICE, metrics=metrics, title="miles sandbox-gateway")
+    app = create_http_app(
+        service=SERVICE,
+        metrics=metrics,
+        title="miles sandbox-gateway",
+        openapi_hooks=[state_request_bounds(settings)],
+    )
     app.include_router(build_router(gateway, access))
     await serve_async(
         http_app=app,

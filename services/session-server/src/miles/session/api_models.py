@@ -12,10 +12,27 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from miles.session.records import SAMPLING_KEYS
+from miles.session.tito.families import family_names
+from miles.session.tito.messages import ROLES
 
 JOB_ID_PATTERN = r"^[^\s{}/]{1,200}$"
 MIN_TTL_S = 1.0
 """Shortest ttl_s a session may ask for (its store keys expire with millisecond resolution)."""
+FAMILY_SCHEMA: dict[str, Any] = {"enum": list(family_names())}
+"""Stated in the schema (the registered TITO families); checked when the model is resolved (400 naming it)."""
+MESSAGE_SCHEMA: dict[str, Any] = {
+    "items": {"type": "object", "required": ["role"], "properties": {"role": {"enum": list(ROLES)}}}
+}
+"""The shape the schema states for each message; TITO checks the rest (content, tool calls) naming the field."""
+_NAMED: dict[str, Any] = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+TOOLS_SCHEMA: dict[str, Any] = {
+    "items": {
+        "type": "object",
+        "anyOf": [{"required": ["function"], "properties": {"function": _NAMED}}, _NAMED],
+        "description": 'An OpenAI tool, `{"type": "function", "function": {"name", "description", "parameters"}}` '
+        "(a bare function object is accepted too)",
+    }
+}
 MAX_TOKENS_RULE = (
     "Absent: the largest completion that fits, context - prompt - 1 tokens, capped by the job's max_new_tokens. "
     "A larger value is clamped to that limit, never refused (reported in `miles.max_tokens_clamped_from` and the "
@@ -48,7 +65,9 @@ class JobConfigBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_path: str = Field(min_length=1, description="Model directory readable by every replica (HF layout)")
-    model_family: str = Field(min_length=1, description="TITO family, e.g. qwen3 (`miles-tito families`)")
+    model_family: str = Field(
+        min_length=1, description="TITO family, e.g. qwen3 (`miles-tito families`)", json_schema_extra=FAMILY_SCHEMA
+    )
     engine_pool: str = Field(default="default", min_length=1, description="Sent as X-Miles-Pool")
     max_context_tokens: int | None = Field(default=None, ge=2, description="Default: config.json's")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -79,7 +98,12 @@ class CreateSessionRequest(BaseModel):
 
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     episode_id: str | None = Field(default=None, min_length=1, max_length=200)
-    model_family: str | None = Field(default=None, min_length=1, description="Overrides the job's TITO family")
+    model_family: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Overrides the job's TITO family",
+        json_schema_extra={"enum": [*FAMILY_SCHEMA["enum"], None]},
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Merged over the job's")
     sampling_defaults: dict[str, Any] | None = Field(default=None, description="Merged over the job's")
     metadata: dict[str, Any] | None = None
@@ -131,9 +155,9 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra=MESSAGE_SCHEMA)
     model: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, json_schema_extra=TOOLS_SCHEMA)
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -152,7 +176,15 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={
+            "anyOf": [
+                {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+                {"type": "null"},
+            ]
+        },
+    )
 
     @field_validator("response_format")
     @classmethod

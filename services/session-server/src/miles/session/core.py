@@ -31,6 +31,7 @@ from miles.session.errors import (
     InvalidRequestError,
     InvalidSessionRequestError,
     JobNotFoundError,
+    ModelUnavailableError,
     SessionBusyError,
     SessionNotFoundError,
     WrongTokenError,
@@ -157,7 +158,13 @@ class SessionCore:
             get_family(config.model_family)
         except UnknownFamilyError as exc:
             raise InvalidRequestError(exc.message, field="model_family") from None
-        await self.models.get(config)  # 400 for kwargs the family forbids; 503 when this replica cannot load it
+        await self.models.files(config.model_path)  # 503 when this replica cannot load the model's files
+        try:
+            await self.models.get(config)  # 400 for kwargs the family forbids
+        except ModelUnavailableError as exc:  # the files load, so the family does not fit them: the caller's choice
+            raise InvalidRequestError(
+                f"model_family {config.model_family!r} cannot serve this model: {exc.message}", field="model_family"
+            ) from None
         ttl_s = request.ttl_s or self.settings.default_ttl_s
         if ttl_s > self.settings.max_ttl_s:
             message = f"ttl_s must be at most the server's max_ttl_s={self.settings.max_ttl_s:g} (got {ttl_s:g})"

@@ -43,14 +43,26 @@ from miles.session.errors import (
     RequestTooLargeError,
     WrongTokenError,
 )
+from miles.session.openapi_docs import (
+    CHAT_EXAMPLES,
+    CHAT_RESPONSES,
+    CREATE_RESPONSES,
+    IDEMPOTENCY_KEY_HEADER,
+    JOB_NOT_FOUND,
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    OPERATOR_RESPONSES,
+    PROTOBUF_MEDIA_TYPE,
+    REPLAYED_HEADER,
+    SAMPLES_RESPONSES,
+    SESSION_RESPONSES,
+    TOO_LARGE,
+    body_schema,
+    create_session_openapi,
+)
 from miles.session.tito.messages import first_json_path, lone_surrogate
 
 M = TypeVar("M", bound=BaseModel)
-PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
 MAX_JSON_DEPTH = 64
-IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
-REPLAYED_HEADER = "Idempotent-Replayed"
-MAX_IDEMPOTENCY_KEY_CHARS = 255
 SessionId = Annotated[str, Path(min_length=1, max_length=128)]
 JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN)]
 
@@ -139,11 +151,6 @@ async def parse_body(
         ) from None
 
 
-def body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI requestBody for a route that parses its body itself."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
 class Auth:
     def __init__(self, operator_token: str) -> None:
         self._operator_token = operator_token
@@ -182,39 +189,12 @@ def idempotency_key(request: Request) -> str | None:
     return key
 
 
-def create_session_openapi(max_ttl_s: float) -> dict[str, Any]:
-    """POST /v1/sessions in the OpenAPI: its body schema (ttl_s bounded by this server's max_ttl_s), the
-    Idempotency-Key header and the replay answer."""
-    extra = body_schema(CreateSessionRequest)
-    ttl = extra["requestBody"]["content"]["application/json"]["schema"]["properties"]["ttl_s"]
-    for option in ttl.get("anyOf", [ttl]):
-        if option.get("type") == "number":
-            option["maximum"] = max_ttl_s
-    extra["parameters"] = [
-        {
-            "name": IDEMPOTENCY_KEY_HEADER,
-            "in": "header",
-            "required": False,
-            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS},
-            "description": "Makes the create retryable: a replay with the same key and body answers 200 with the "
-            "same session and a new token (the previous token stops working) and `Idempotent-Replayed: true`; "
-            "the same key with another body is a 422 `idempotency_key_reused`. A key lives as long as its session",
-        }
-    ]
-    extra["responses"] = {
-        "200": {
-            "description": "An Idempotency-Key replay: the key's session, its token rotated",
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreateSessionResponse"}}},
-        }
-    }
-    return extra
-
-
 def _create_route(router: APIRouter, core: SessionCore, auth: Auth) -> None:
     @router.post(
         "/v1/sessions",
         status_code=201,
         response_model=CreateSessionResponse,
+        responses={**OPERATOR_RESPONSES, **CREATE_RESPONSES, **TOO_LARGE},
         openapi_extra=create_session_openapi(core.settings.max_ttl_s),
     )
     async def create_session(request: Request, response: Response) -> CreateSessionResponse:
@@ -233,26 +213,30 @@ def _create_route(router: APIRouter, core: SessionCore, auth: Auth) -> None:
 
 
 def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
-    @router.get("/v1/sessions")
+    @router.get("/v1/sessions", responses=OPERATOR_RESPONSES)
     async def list_sessions(
         request: Request, job_id: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
     ) -> dict[str, list[str]]:
         auth.require_operator(request)
         return {"session_ids": await core.list_sessions(job_id, limit)}
 
-    @router.get("/v1/sessions/{session_id}")
+    @router.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES)
     async def get_session(session_id: SessionId, request: Request) -> dict[str, Any]:
         token, is_operator = auth.session_caller(request)
         return await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
 
-    @router.delete("/v1/sessions/{session_id}", status_code=204)
+    @router.delete("/v1/sessions/{session_id}", status_code=204, responses=SESSION_RESPONSES)
     async def delete_session(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
         await core.authorize(session_id, token, is_operator=is_operator)
         await core.delete(session_id)
         return Response(status_code=204)
 
-    @router.post("/v1/sessions/{session_id}/samples", openapi_extra=body_schema(SamplesRequest))
+    @router.post(
+        "/v1/sessions/{session_id}/samples",
+        responses={**SESSION_RESPONSES, **SAMPLES_RESPONSES, **TOO_LARGE},
+        openapi_extra=body_schema(SamplesRequest),
+    )
     async def samples(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
         meta = await core.authorize(session_id, token, is_operator=is_operator)
@@ -261,7 +245,11 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
             return Response(message.SerializeToString(), media_type=PROTOBUF_MEDIA_TYPE)
         return Response(samples_wire.to_json(message), media_type="application/json")
 
-    @router.post("/v1/sessions/{session_id}/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    @router.post(
+        "/v1/sessions/{session_id}/v1/chat/completions",
+        responses={**SESSION_RESPONSES, **CHAT_RESPONSES, **TOO_LARGE},
+        openapi_extra=body_schema(ChatCompletionRequest, CHAT_EXAMPLES),
+    )
     async def chat_completions(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
         meta = await core.authorize(session_id, token, is_operator=is_operator)
@@ -277,7 +265,7 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
             headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
         )
 
-    @router.get("/v1/sessions/{session_id}/v1/models")
+    @router.get("/v1/sessions/{session_id}/v1/models", responses=SESSION_RESPONSES)
     async def models(session_id: SessionId, request: Request) -> dict[str, Any]:
         token, is_operator = auth.session_caller(request)
         meta = await core.authorize(session_id, token, is_operator=is_operator)
@@ -291,18 +279,26 @@ async def _iterate(events: list[bytes]) -> AsyncIterator[bytes]:
 
 
 def _job_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
-    @router.put("/v1/jobs/{job_id}/config", openapi_extra=body_schema(JobConfigBody))
+    @router.put(
+        "/v1/jobs/{job_id}/config",
+        responses={
+            **OPERATOR_RESPONSES,
+            400: {"description": "A bad body, or a model_path / model_family / kwargs that cannot be served"},
+            **TOO_LARGE,
+        },
+        openapi_extra=body_schema(JobConfigBody),
+    )
     async def put_job_config(job_id: JobId, request: Request) -> dict[str, Any]:
         auth.require_operator(request)
         config = await core.put_job_config(job_id, await parse_body(request, JobConfigBody))
         return config.to_json()
 
-    @router.get("/v1/jobs/{job_id}/config")
+    @router.get("/v1/jobs/{job_id}/config", responses={**OPERATOR_RESPONSES, **JOB_NOT_FOUND})
     async def get_job_config(job_id: JobId, request: Request) -> dict[str, Any]:
         auth.require_operator(request)
         return (await core.get_job_config(job_id)).to_json()
 
-    @router.delete("/v1/jobs/{job_id}/config", status_code=204)
+    @router.delete("/v1/jobs/{job_id}/config", status_code=204, responses={**OPERATOR_RESPONSES, **JOB_NOT_FOUND})
     async def delete_job_config(job_id: JobId, request: Request) -> Response:
         auth.require_operator(request)
         await core.delete_job_config(job_id)
