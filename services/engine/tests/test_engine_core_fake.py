@@ -13,6 +13,7 @@ import pytest
 
 from miles.common.telemetry import Metrics
 from miles.engine.engine import Engine
+from miles.engine.errors import BadRequestError
 from miles.engine.main import build_engine
 from miles.engine.protocol import GenerateRequest
 from miles.engine.settings import EngineSettings
@@ -148,6 +149,18 @@ async def test_forward_cost_is_per_step_and_token_costs_scale_with_the_batch(mak
     per_token.scheduler._runner.sleep = slept_s.append
     await _generate_together(per_token, prompts, 20)
     assert max(slept_s) == pytest.approx(8 * 0.001)  # a full decode step costs one token's cost per request
+
+
+def test_a_request_for_more_sequences_than_run_at_once_is_refused(make_engine: MakeEngine) -> None:
+    engine = make_engine(max_running_requests=4)
+    for too_many in (
+        GenerateRequest(input_ids=[1, 2], sampling_params={"n": 5}),
+        GenerateRequest(text=["a"] * 5),
+        GenerateRequest(input_ids=[[1], [2], [3]], sampling_params={"n": 2}),
+    ):
+        with pytest.raises(BadRequestError, match="max_running_requests"):
+            engine.plan(too_many)
+    assert len(engine.plan(GenerateRequest(input_ids=[[1], [2]], sampling_params={"n": 2})).sequences) == 4
 
 
 async def test_abort_in_waiting_queue_and_while_running(make_engine: MakeEngine) -> None:

@@ -134,8 +134,12 @@ async def test_admin_errors(start_router: Any) -> None:
     async with start_router() as router:
         missing = await router.client.post("/admin/v1/engines/drain", json={"pool": "nope", "url": "http://x:1"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "engine_not_found"
-        bad_url = await router.client.post("/admin/v1/engines", json={"url": "ftp://x"})
-        assert bad_url.status_code == 400 and bad_url.json()["error"]["field"] == "url"
+        # Not http(s), no host, an unclosed IPv6 bracket, a host no HTTP client takes, a lone surrogate, a query.
+        for url in ("ftp://x", "http://", "http://<]", "http://\u00b2", "http://x/\udc01", "http://x/?a=1"):
+            body = json.dumps({"url": url})  # ASCII JSON: a lone surrogate travels as an escape
+            for path in ("/admin/v1/engines", "/admin/v1/engines/drain"):
+                answer = await router.client.post(path, content=body, headers={"content-type": "application/json"})
+                assert answer.status_code == 400 and answer.json()["error"]["field"] == "url", (path, url)
         assert (await router.client.post("/admin/v1/engines", json={"pool": "p"})).status_code == 422
 
 

@@ -39,6 +39,11 @@ def test_non_json_body_routes_by_headers_alone() -> None:
     assert parse("/generate", b"[1, 2]").routing_key is None
 
 
+def test_json_nested_too_deep_to_read_routes_by_headers_alone() -> None:
+    request = parse("/generate", b"[" * 100_000, x_smg_routing_key="k")  # json.loads: RecursionError
+    assert request.routing_key == "k" and request.prefix_key == b""
+
+
 def test_invalid_router_inputs_are_400() -> None:
     with pytest.raises(InvalidRoutingInputError, match="integer"):
         parse("/generate", {}, x_miles_min_weight_version="v3")

@@ -17,7 +17,7 @@ broadcast source (the trainer). gloo on the CPU; nccl only where CUDA is availab
 the current CUDA device, then copied to the CPU). One operation per group at a time (a second one is refused).
 `timeout_s` bounds joining and each broadcast; after a failed broadcast the group's stream is out of step:
 destroy it and create a new one, as with SGLang. torch is imported on first use, so a --fake-model engine
-loads it only when a group is created.
+loads it only when a group is created; that import (seconds) runs in a thread, so the engine keeps answering.
 """
 
 from __future__ import annotations
@@ -59,18 +59,17 @@ class UpdateGroups:
     async def init(self, body: InitWeightsUpdateGroupBody) -> None:
         """Join the group as rank `rank_offset` (blocks until every rank joined); raises WeightUpdateError."""
         _check_init(body)
+        device = await _in_thread(_device_for, body.backend)  # may import torch: seconds, never on the event loop
         if body.group_name in self._groups:
             raise WeightUpdateError(f"weight-update group {body.group_name!r} already exists (destroy it first)")
-        group = self._groups[body.group_name] = _Group(body.group_name, _device_for(body.backend))
+        group = self._groups[body.group_name] = _Group(body.group_name, device)
         host = f"[{body.master_address}]" if ":" in body.master_address else body.master_address
         await self.run_to_completion(self._join(group, body, f"tcp://{host}:{body.master_port}"))
 
     async def _join(self, group: _Group, body: InitWeightsUpdateGroupBody, init_method: str) -> None:
-        from miles.model.update_group import init_custom_process_group
-
         args = (body.backend, init_method, body.world_size, body.rank_offset, body.group_name, self.timeout_s)
         try:
-            group.process_group = await _in_thread(init_custom_process_group, *args)
+            group.process_group = await _in_thread(_init_process_group, *args)
         except Exception as exc:
             del self._groups[group.name]
             raise WeightUpdateError(f"Failed to initialize custom process group: {exc}.") from exc
@@ -141,6 +140,13 @@ def _device_for(backend: str) -> str:
     if not torch.cuda.is_available():
         raise WeightUpdateError("backend 'nccl' needs CUDA, which this engine does not have: use backend 'gloo'")
     return f"cuda:{torch.cuda.current_device()}"
+
+
+def _init_process_group(*args: Any) -> Any:
+    # Imported here, in the joining thread: the first import loads torch (seconds) and must not stall the event loop.
+    from miles.model.update_group import init_custom_process_group
+
+    return init_custom_process_group(*args)
 
 
 def _receive(process_group: Any, specs: list[TensorSpec], device: str) -> dict[str, Any]:

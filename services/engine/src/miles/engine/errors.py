@@ -23,6 +23,12 @@ class EngineNotReadyError(UnavailableError):
     code = "engine_not_ready"
 
 
+class EngineBusyError(InvalidArgumentError):
+    """The operation needs an idle engine (no running or waiting request), e.g. releasing the KV cache."""
+
+    code = "engine_busy"
+
+
 class WeightUpdateError(InvalidArgumentError):
     """New weights were refused (unreadable, unknown names, wrong shapes, a failed or unknown weight-update group);
     the old weights stay in place."""

@@ -9,27 +9,48 @@ SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, so that pauses and weight updates ne
 engine); /health_generate really generates one token and answers 503 while paused.
 
 Every route but /health and /health_generate is declared on one router guarded by `EngineAuth` (auth.py says
-which key each route needs); the probes of create_http_app (/healthz, /readyz, /metrics) stay open too.
+which key each route needs); the probes of create_http_app (/healthz, /readyz, /metrics) stay open too. What each
+route answers (statuses, media types, bodies) is declared in openapi_docs.py.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.common.auth import AUTH_RESPONSES
 from miles.common.errors import MilesError
+from miles.common.http import router_error_response
 from miles.engine.auth import EngineAuth
 from miles.engine.distributed import DESTROY_MESSAGE, INIT_MESSAGE
 from miles.engine.engine import Engine
-from miles.engine.errors import BadRequestError, WeightsCheckError, WeightUpdateError
+from miles.engine.errors import BadRequestError, EngineBusyError, WeightsCheckError, WeightUpdateError
 from miles.engine.info import ServedModel, legacy_load, loads, model_info, models, server_info
+from miles.engine.openapi_docs import (
+    APPLY_EXAMPLES,
+    CHECK_REFUSED,
+    CONTINUE_RESPONSES,
+    DISK_UPDATE_RESPONSES,
+    EMPTY_OK,
+    FLUSH_RESPONSES,
+    GENERATE_OPENAPI,
+    GENERATE_RESPONSES,
+    HEALTH_GENERATE_RESPONSES,
+    HEALTH_RESPONSES,
+    MEMORY_RESPONSES,
+    PAUSE_RESPONSES,
+    REFUSED,
+    RELEASE_REFUSED,
+    STAGE_EXAMPLES,
+    TENSOR_EXAMPLES,
+)
 from miles.engine.planning import GeneratePlan
 from miles.engine.protocol import (
     AbortRequestBody,
@@ -41,6 +62,7 @@ from miles.engine.protocol import (
     InitWeightsUpdateGroupBody,
     MemoryOccupationBody,
     PauseGenerationBody,
+    PauseResponse,
     StageWeightsFromTensorBody,
     SuccessResponse,
     UpdateWeightsFromDiskBody,
@@ -49,6 +71,7 @@ from miles.engine.protocol import (
     UpdateWeightVersionBody,
     WeightsCheckerResponse,
     WeightsChecksum,
+    WeightVersionResponse,
 )
 from miles.engine.settings import EngineSettings
 
@@ -57,17 +80,12 @@ FLUSH_MESSAGE = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 
-
-_REFUSED: dict[int | str, dict[str, Any]] = {
-    400: {"model": SuccessResponse, "description": "Refused or failed (`success` false); nothing was changed"}
-}
-_CHECK_REFUSED: dict[int | str, dict[str, Any]] = {
-    400: {"model": WeightsCheckerResponse, "description": "Unknown action or dtype, or a model without weights"}
-}
-
-_GENERATE_OPENAPI = {
-    "requestBody": {"required": True, "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}}}
-}
+FlushTimeout = Annotated[
+    float, Query(ge=0.0, allow_inf_nan=False, description="Seconds to wait for the engine to become idle")
+]
+"""/flush_cache's `timeout`: SGLang's bound (>= 0), and finite, so that a busy engine always answers."""
+_BODY_PARSE_DETAIL = "There was an error parsing the body"
+"""FastAPI's 400 for a JSON body that is not UTF-8 text."""
 
 
 def _schema_error(errors: Sequence[Any]) -> JSONResponse:
@@ -81,11 +99,17 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
     async def handle_schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _schema_error(exc.errors())
 
-    @app.get("/health")
+    @app.exception_handler(StarletteHTTPException)
+    async def handle_router_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:  # a body that is not UTF-8: not JSON either
+            return _schema_error([{"loc": ("body",), "msg": "JSON decode error: the body is not UTF-8 text"}])
+        return router_error_response(exc)
+
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, responses=HEALTH_GENERATE_RESPONSES)
     async def health_generate() -> Response:
         ok = await engine.health_generate(settings.health_generate_timeout_s)
         return Response(status_code=200 if ok else 503)
@@ -103,18 +127,15 @@ def add_generation_routes(router: APIRouter, engine: Engine, settings: EngineSet
     """/generate and the read-only info routes."""
 
     # One route per method (not api_route with methods=[...]): each gets its own OpenAPI operationId.
-    @router.post("/generate", response_model=None, openapi_extra=_GENERATE_OPENAPI)
-    @router.put("/generate", response_model=None, openapi_extra=_GENERATE_OPENAPI)
+    @router.post("/generate", response_model=None, responses=GENERATE_RESPONSES, openapi_extra=GENERATE_OPENAPI)
+    @router.put("/generate", response_model=None, responses=GENERATE_RESPONSES, openapi_extra=GENERATE_OPENAPI)
     async def generate(request: Request) -> Response:
         # Parsed by hand: SGLang reads the body as JSON whatever the Content-Type says.
         try:
             body = GenerateRequest.model_validate_json(await request.body())
         except ValidationError as exc:
             return _schema_error(exc.errors())
-        header_version = request.headers.get("x-miles-min-weight-version")
-        if header_version is not None and not header_version.strip().lstrip("-").isdigit():
-            raise BadRequestError(f"X-Miles-Min-Weight-Version must be an integer, got {header_version!r}")
-        plan = engine.plan(body, int(header_version) if header_version is not None else None)
+        plan = engine.plan(body, _min_weight_version(request.headers.get("x-miles-min-weight-version")))
         if plan.stream:
             return StreamingResponse(_sse(engine, plan), media_type="text/event-stream")
         return JSONResponse(await engine.generate(plan))
@@ -150,28 +171,28 @@ def add_generation_routes(router: APIRouter, engine: Engine, settings: EngineSet
 def add_control_routes(router: APIRouter, engine: Engine, served: ServedModel) -> None:
     """Cache, pause, abort and memory control, disk and tensor weight updates, the weight version."""
 
-    @router.get("/flush_cache")
-    @router.post("/flush_cache")
-    async def flush_cache(timeout: float = 0.0) -> PlainTextResponse:  # noqa: ASYNC109 (SGLang's query name)
+    @router.get("/flush_cache", response_class=PlainTextResponse, responses=FLUSH_RESPONSES)
+    @router.post("/flush_cache", response_class=PlainTextResponse, responses=FLUSH_RESPONSES)
+    async def flush_cache(timeout: FlushTimeout = 0.0) -> PlainTextResponse:  # noqa: ASYNC109 (SGLang's name)
         flushed = await engine.flush_cache(timeout)
         return PlainTextResponse(FLUSH_MESSAGE, status_code=200 if flushed else 400)
 
-    @router.post("/abort_request")
+    @router.post("/abort_request", response_class=Response, responses=EMPTY_OK)
     async def abort_request(body: AbortRequestBody) -> Response:
         await engine.abort(body.rid, body.abort_all)
         return Response(status_code=200)
 
-    @router.post("/pause_generation")
-    async def pause_generation(body: PauseGenerationBody | None = None) -> dict[str, str]:
+    @router.post("/pause_generation", responses=PAUSE_RESPONSES)
+    async def pause_generation(body: PauseGenerationBody | None = None) -> PauseResponse:
         await engine.pause((body or PauseGenerationBody()).mode)
-        return {"message": "Generation paused successfully.", "status": "ok"}
+        return PauseResponse(message="Generation paused successfully.", status="ok")
 
-    @router.post("/continue_generation")
-    async def continue_generation(body: ContinueGenerationBody | None = None) -> dict[str, str]:
+    @router.post("/continue_generation", responses=CONTINUE_RESPONSES)
+    async def continue_generation(body: ContinueGenerationBody | None = None) -> PauseResponse:
         await engine.resume()
-        return {"message": "Generation continued successfully.", "status": "ok"}
+        return PauseResponse(message="Generation continued successfully.", status="ok")
 
-    @router.post("/update_weights_from_disk")
+    @router.post("/update_weights_from_disk", responses=DISK_UPDATE_RESPONSES)
     async def update_weights_from_disk(body: UpdateWeightsFromDiskBody) -> JSONResponse:
         try:
             num_paused = await engine.update_weights_from_disk(
@@ -186,8 +207,10 @@ def add_control_routes(router: APIRouter, engine: Engine, served: ServedModel) -
         message = "Succeeded to update model weights." + _version_note(body.weight_version)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": num_paused})
 
-    @router.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> JSONResponse:
+    @router.post("/update_weights_from_tensor", response_model=SuccessResponse, responses=REFUSED)
+    async def update_weights_from_tensor(
+        body: Annotated[UpdateWeightsFromTensorBody, Body(openapi_examples=TENSOR_EXAMPLES)],
+    ) -> JSONResponse:
         try:
             await engine.update_weights_from_tensor(
                 body.serialized_named_tensors,
@@ -202,21 +225,23 @@ def add_control_routes(router: APIRouter, engine: Engine, served: ServedModel) -
         return JSONResponse({"success": True, "message": message})
 
     @router.post("/update_weight_version")
-    async def update_weight_version(body: UpdateWeightVersionBody) -> dict[str, Any]:
+    async def update_weight_version(body: UpdateWeightVersionBody) -> WeightVersionResponse:
         await engine.update_weight_version(body.new_version, body.abort_all_requests)
         message = f"Weight version updated to {body.new_version}"
-        return {"success": True, "message": message, "new_version": body.new_version}
+        return WeightVersionResponse(success=True, message=message, new_version=body.new_version)
 
-    @router.get("/release_memory_occupation")
-    @router.post("/release_memory_occupation")
+    release_responses = {**MEMORY_RESPONSES, **RELEASE_REFUSED}
+
+    @router.get("/release_memory_occupation", responses=release_responses)
+    @router.post("/release_memory_occupation", responses=release_responses)
     async def release_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
         tags = (body or MemoryOccupationBody()).tags
         if (tags is None or "kv_cache" in tags) and not await engine.flush_cache():
-            return JSONResponse({"error": {"message": "the engine is not idle"}}, status_code=400)
+            raise EngineBusyError("the engine is not idle: the KV cache cannot be released")
         return JSONResponse(None)
 
-    @router.get("/resume_memory_occupation")
-    @router.post("/resume_memory_occupation")
+    @router.get("/resume_memory_occupation", responses=MEMORY_RESPONSES)
+    @router.post("/resume_memory_occupation", responses=MEMORY_RESPONSES)
     async def resume_memory_occupation(body: MemoryOccupationBody | None = None) -> JSONResponse:
         return JSONResponse(None)
 
@@ -225,8 +250,10 @@ def add_staging_routes(router: APIRouter, engine: Engine) -> None:
     """Staged tensor updates (a miles extension; stock SGLang answers 404, and weight-sync then loads under the
     pause): decode and validate a version while generating, swap it in during a short pause."""
 
-    @router.post("/stage_weights_from_tensor", response_model=SuccessResponse, responses=_REFUSED)
-    async def stage_weights_from_tensor(body: StageWeightsFromTensorBody) -> JSONResponse:
+    @router.post("/stage_weights_from_tensor", response_model=SuccessResponse, responses=REFUSED)
+    async def stage_weights_from_tensor(
+        body: Annotated[StageWeightsFromTensorBody, Body(openapi_examples=STAGE_EXAMPLES)],
+    ) -> JSONResponse:
         try:
             staged = await engine.stage_weights_from_tensor(
                 body.serialized_named_tensors, body.load_format, body.stage_id
@@ -235,8 +262,10 @@ def add_staging_routes(router: APIRouter, engine: Engine) -> None:
             return _failure(exc)
         return JSONResponse({"success": True, "message": f"Staged {staged} tensors under {body.stage_id}."})
 
-    @router.post("/apply_staged_weights", response_model=SuccessResponse, responses=_REFUSED)
-    async def apply_staged_weights(body: ApplyStagedWeightsBody) -> JSONResponse:
+    @router.post("/apply_staged_weights", response_model=SuccessResponse, responses=REFUSED)
+    async def apply_staged_weights(
+        body: Annotated[ApplyStagedWeightsBody, Body(openapi_examples=APPLY_EXAMPLES)],
+    ) -> JSONResponse:
         try:
             await engine.apply_staged_weights(
                 body.stage_id,
@@ -253,7 +282,7 @@ def add_staging_routes(router: APIRouter, engine: Engine) -> None:
 def add_update_group_routes(router: APIRouter, engine: Engine) -> None:
     """SGLang's weight-update group protocol (distributed.py) and /weights_checker."""
 
-    @router.post("/init_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/init_weights_update_group", response_model=SuccessResponse, responses=REFUSED)
     async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> JSONResponse:
         try:
             await engine.update_groups.init(body)
@@ -261,7 +290,7 @@ def add_update_group_routes(router: APIRouter, engine: Engine) -> None:
             return _failure(exc)
         return JSONResponse({"success": True, "message": INIT_MESSAGE})
 
-    @router.post("/update_weights_from_distributed", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/update_weights_from_distributed", response_model=SuccessResponse, responses=REFUSED)
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
         try:
             await engine.update_weights_from_distributed(body)
@@ -270,7 +299,7 @@ def add_update_group_routes(router: APIRouter, engine: Engine) -> None:
         message = "Succeeded to update parameter online." + _version_note(body.weight_version)
         return JSONResponse({"success": True, "message": message})
 
-    @router.post("/destroy_weights_update_group", response_model=SuccessResponse, responses=_REFUSED)
+    @router.post("/destroy_weights_update_group", response_model=SuccessResponse, responses=REFUSED)
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> JSONResponse:
         try:
             await engine.update_groups.destroy(body.group_name)
@@ -278,8 +307,8 @@ def add_update_group_routes(router: APIRouter, engine: Engine) -> None:
             return _failure(exc)
         return JSONResponse({"success": True, "message": DESTROY_MESSAGE})
 
-    @router.get("/weights_checker", response_model=WeightsCheckerResponse, responses=_CHECK_REFUSED)
-    @router.post("/weights_checker", response_model=WeightsCheckerResponse, responses=_CHECK_REFUSED)
+    @router.get("/weights_checker", response_model=WeightsCheckerResponse, responses=CHECK_REFUSED)
+    @router.post("/weights_checker", response_model=WeightsCheckerResponse, responses=CHECK_REFUSED)
     async def weights_checker(body: CheckWeightsBody | None = None) -> JSONResponse:
         request = body or CheckWeightsBody()
         try:
@@ -297,6 +326,16 @@ def add_update_group_routes(router: APIRouter, engine: Engine) -> None:
         )
         message = f"Checksum of {checksum.num_tensors} tensors in {checksum.dtype}."
         return JSONResponse({"success": True, "message": message, "payload": payload.model_dump()})
+
+
+def _min_weight_version(header: str | None) -> int | None:
+    """X-Miles-Min-Weight-Version as an integer (None when absent); BadRequestError when it is not one."""
+    if header is None:
+        return None
+    try:
+        return int(header)
+    except ValueError:
+        raise BadRequestError(f"X-Miles-Min-Weight-Version must be an integer, got {header!r}") from None
 
 
 def _failure(exc: MilesError) -> JSONResponse:

@@ -27,6 +27,7 @@ from miles.engine.engine import Engine
 from miles.engine.http_api import add_routes
 from miles.engine.info import ServedModel
 from miles.engine.metrics import EngineMetrics
+from miles.engine.openapi_docs import complete_openapi
 from miles.engine.planning import Limits
 from miles.engine.radix_cache import RadixCache
 from miles.engine.runner import make_runner
@@ -71,7 +72,12 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         metrics=EngineMetrics(metrics, served_name),
     )
     scheduler.start()
-    limits = Limits(info.vocab_size, settings.context_length or info.max_position_embeddings, settings.max_total_tokens)
+    limits = Limits(
+        vocab_size=info.vocab_size,
+        context_length=settings.context_length or info.max_position_embeddings,
+        max_total_tokens=settings.max_total_tokens,
+        max_sequences_per_request=settings.max_running_requests,
+    )
     served = ServedModel(
         model_path=str(settings.model_path),
         tokenizer_path=str(settings.resolved_tokenizer_path),
@@ -101,7 +107,12 @@ def create_app(settings: EngineSettings, engine: Engine, served: ServedModel, me
         if not engine.scheduler.alive:
             raise RuntimeError("scheduler thread stopped")
 
-    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"scheduler": scheduler_alive})
+    app = create_http_app(
+        service=SERVICE,
+        metrics=metrics,
+        readiness_checks={"scheduler": scheduler_alive},
+        openapi_hooks=[complete_openapi(engine.limits)],
+    )
     add_routes(app, engine, settings, served)
     return app
 

@@ -46,17 +46,21 @@ class Limits:
     vocab_size: int
     context_length: int
     max_total_tokens: int
+    max_sequences_per_request: int
+    """Most sequences (prompts x n) one request may ask for: the engine's max_running_requests. A miles bound
+    (SGLang has none): without it one request could make the engine plan millions of sequences."""
 
 
 def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Limits) -> GeneratePlan:
     _refuse_unsupported(request)
-    prompts, is_batch = _prompts(request, tokenizer)
+    prompts, is_batch = _prompts(request, tokenizer, limits.max_sequences_per_request)
     size = len(prompts)
     sampling_raw = _per_item(request.sampling_params, size, "sampling_params")
     samplings = [SamplingParams.from_dict(raw) for raw in sampling_raw]
     num_samples = samplings[0].n
     if any(s.n != num_samples for s in samplings):
         raise BadRequestError("The parallel sample size n must be the same for every item of a batch.")
+    _check_num_sequences(size * num_samples, limits.max_sequences_per_request)
     options = _logprob_options(request, size, limits.vocab_size)
     namespaces = _per_item(request.extra_key, size, "extra_key")
     rids = _rids(request.rid, size, is_batch)
@@ -88,12 +92,13 @@ def _refuse_unsupported(request: GenerateRequest) -> None:
             raise BadRequestError(f"{name} is not supported by miles-engine")
 
 
-def _prompts(request: GenerateRequest, tokenizer: TextTokenizer) -> tuple[list[list[int]], bool]:
+def _prompts(request: GenerateRequest, tokenizer: TextTokenizer, max_prompts: int) -> tuple[list[list[int]], bool]:
     if request.input_ids is not None:
         ids = request.input_ids
         if not ids:
             raise BadRequestError("input_ids cannot be empty.")
         if isinstance(ids[0], list):
+            _check_num_sequences(len(ids), max_prompts)
             return [list(row) for row in ids if isinstance(row, list)], True
         return [[int(t) for t in ids if isinstance(t, int)]], False
     if request.text is not None:
@@ -101,8 +106,17 @@ def _prompts(request: GenerateRequest, tokenizer: TextTokenizer) -> tuple[list[l
             return [tokenizer.encode(request.text)], False
         if not request.text:
             raise BadRequestError("text cannot be an empty list.")
+        _check_num_sequences(len(request.text), max_prompts)  # before tokenizing them all
         return [tokenizer.encode(t) for t in request.text], True
     raise BadRequestError("Either text, input_ids or input_embeds should be provided.")
+
+
+def _check_num_sequences(num_sequences: int, max_sequences: int) -> None:
+    if num_sequences > max_sequences:
+        raise BadRequestError(
+            f"The request asks for {num_sequences} sequences (prompts x n) but the engine runs at most "
+            f"{max_sequences} at once (max_running_requests): split it into several requests."
+        )
 
 
 def _per_item(value: Any, size: int, name: str) -> list[Any]:

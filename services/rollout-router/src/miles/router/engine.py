@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import httpx
+
 from miles.router.admission import EngineSlots
 from miles.router.breaker import BreakerState, CircuitBreaker, HealthTracker
 from miles.router.errors import InvalidRoutingInputError
@@ -38,11 +40,17 @@ class EngineState(enum.Enum):
 
 
 def normalize_engine_url(url: str) -> str:
-    """The canonical form of an engine base URL (scheme + host[:port] + path without trailing slash)."""
+    """The canonical form of an engine base URL (scheme + host[:port] + path without trailing slash); raises
+    InvalidRoutingInputError for anything else, including what the HTTP client could not send a request to (a host
+    that is no valid name, a port that is no number, control characters, lone surrogates)."""
     stripped = url.strip().rstrip("/")
-    parts = urlsplit(stripped)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise InvalidRoutingInputError(f"engine url {url!r} must be http(s)://host[:port]", field="url")
+    try:
+        parts = urlsplit(stripped)
+        httpx.URL(stripped)
+    except (ValueError, httpx.InvalidURL) as exc:  # ValueError: e.g. an unclosed [IPv6], a lone surrogate
+        raise InvalidRoutingInputError(f"engine url {url!r} is not a valid URL: {exc}", field="url") from None
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise InvalidRoutingInputError(f"engine url {url!r} must be http(s)://host[:port][/path]", field="url")
     return stripped
 
 

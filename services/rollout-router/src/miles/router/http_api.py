@@ -8,14 +8,15 @@ headers (less hop-by-hop ones) and body come back unchanged. Router decisions th
 
 Admin mirror of RouterAdminService under /admin/v1/ (JSON, field names as in the proto; `state` and `source`
 as lower-case names). Every admin route needs `Authorization: Bearer <admin_token>` when the router has one (401
-without a token, 403 with another); the data plane, /healthz, /readyz and /metrics never do.
+without a token, 403 with another); the data plane, /healthz, /readyz and /metrics never do. What each route
+answers is declared in openapi_docs.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
@@ -24,6 +25,17 @@ from miles.common.auth import AUTH_RESPONSES
 from miles.common.http import create_http_app
 from miles.common.telemetry import Metrics
 from miles.router.forwarder import ForwardedResponse
+from miles.router.openapi_docs import (
+    ADMIN_ENGINE_RESPONSES,
+    ADMIN_REGISTER_RESPONSES,
+    ADMIN_STATS_RESPONSES,
+    CHAT_OPENAPI,
+    COMPLETIONS_OPENAPI,
+    DATA_PLANE_RESPONSES,
+    ENGINE_URL_PATTERN,
+    GENERATE_OPENAPI,
+    REGISTER_EXAMPLES,
+)
 from miles.router.relay import StreamRelay
 from miles.router.routing_input import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE
 from miles.router.service import RouterService
@@ -69,16 +81,28 @@ def data_plane_router(service: RouterService) -> APIRouter:
         return _PassthroughResponse(forwarded)
 
     # One route per method (not api_route with methods=[...]): each gets its own OpenAPI operationId.
-    @router.post(ROUTE_GENERATE, summary="SGLang /generate, routed to one engine")
-    @router.put(ROUTE_GENERATE, summary="SGLang /generate, routed to one engine")
+    generate_doc: dict[str, Any] = {"responses": DATA_PLANE_RESPONSES, "openapi_extra": GENERATE_OPENAPI}
+
+    @router.post(ROUTE_GENERATE, summary="SGLang /generate, routed to one engine", **generate_doc)
+    @router.put(ROUTE_GENERATE, summary="SGLang /generate, routed to one engine", **generate_doc)
     async def generate(request: Request) -> Response:
         return await proxy(request, ROUTE_GENERATE)
 
-    @router.post(ROUTE_CHAT, summary="OpenAI chat completions, routed to one engine")
+    @router.post(
+        ROUTE_CHAT,
+        summary="OpenAI chat completions, routed to one engine",
+        responses=DATA_PLANE_RESPONSES,
+        openapi_extra=CHAT_OPENAPI,
+    )
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, ROUTE_CHAT)
 
-    @router.post(ROUTE_COMPLETIONS, summary="OpenAI completions, routed to one engine")
+    @router.post(
+        ROUTE_COMPLETIONS,
+        summary="OpenAI completions, routed to one engine",
+        responses=DATA_PLANE_RESPONSES,
+        openapi_extra=COMPLETIONS_OPENAPI,
+    )
     async def completions(request: Request) -> Response:
         return await proxy(request, ROUTE_COMPLETIONS)
 
@@ -89,8 +113,8 @@ def data_plane_router(service: RouterService) -> APIRouter:
 class EngineRef(BaseModel):
     pool: str = ""
     """Pool name; "" = the router's default pool."""
-    url: str
-    """Engine base URL, e.g. http://10.0.0.5:30000."""
+    url: str = Field(json_schema_extra={"pattern": ENGINE_URL_PATTERN})
+    """Engine base URL, e.g. http://10.0.0.5:30000 (400 when not http(s) with a host)."""
 
 
 class RegisterEngineBody(EngineRef):
@@ -101,7 +125,7 @@ class RegisterEngineBody(EngineRef):
 class DrainEngineBody(EngineRef):
     wait: bool = False
     """Return only once nothing is in flight or queued (or timeout_s passed)."""
-    timeout_s: float = Field(default=0.0, ge=0)
+    timeout_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """Wait limit, seconds (0 = the router's drain_timeout_s)."""
 
 
@@ -204,21 +228,23 @@ def admin_router(service: RouterService) -> APIRouter:
     )
     admin = service.admin
 
-    @router.post("/engines", summary="RegisterEngine")
-    async def register_engine(body: RegisterEngineBody) -> EngineResponse:
+    @router.post("/engines", summary="RegisterEngine", responses=ADMIN_REGISTER_RESPONSES)
+    async def register_engine(
+        body: Annotated[RegisterEngineBody, Body(openapi_examples=REGISTER_EXAMPLES)],
+    ) -> EngineResponse:
         snapshot = await admin.register_engine(body.pool, body.url, body.max_concurrency)
         return EngineResponse(engine=EngineInfoModel.of(snapshot))
 
-    @router.post("/engines/deregister", summary="DeregisterEngine")
+    @router.post("/engines/deregister", summary="DeregisterEngine", responses=ADMIN_ENGINE_RESPONSES)
     async def deregister_engine(body: EngineRef) -> DeregisterResponse:
         return DeregisterResponse(removed=admin.deregister_engine(body.pool, body.url))
 
-    @router.post("/engines/drain", summary="DrainEngine")
+    @router.post("/engines/drain", summary="DrainEngine", responses=ADMIN_ENGINE_RESPONSES)
     async def drain_engine(body: DrainEngineBody) -> DrainResponse:
         result = await admin.drain_engine(body.pool, body.url, body.wait, body.timeout_s)
         return DrainResponse(engine=EngineInfoModel.of(result.engine), drained=result.drained)
 
-    @router.post("/engines/undrain", summary="UndrainEngine")
+    @router.post("/engines/undrain", summary="UndrainEngine", responses=ADMIN_ENGINE_RESPONSES)
     async def undrain_engine(body: EngineRef) -> EngineResponse:
         return EngineResponse(engine=EngineInfoModel.of(await admin.undrain_engine(body.pool, body.url)))
 
@@ -226,7 +252,7 @@ def admin_router(service: RouterService) -> APIRouter:
     async def list_engines(pool: Annotated[str, Query(description='"" = every pool')] = "") -> ListEnginesResponse:
         return ListEnginesResponse(engines=[EngineInfoModel.of(s) for s in admin.list_engines(pool)])
 
-    @router.get("/stats", summary="Stats")
+    @router.get("/stats", summary="Stats", responses=ADMIN_STATS_RESPONSES)
     async def stats(pool: Annotated[str, Query(description='"" = the default pool')] = "") -> StatsResponse:
         return StatsResponse.of(admin.stats(pool))
 

@@ -75,7 +75,7 @@ def parse_routing_input(route: str, headers: Mapping[str, str], body: bytes, def
 def _json_object(body: bytes) -> dict[str, Any] | None:
     try:
         payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON text, or nested too deep to read: the engine judges it
         return None
     return payload if isinstance(payload, dict) else None
 
