@@ -24,6 +24,7 @@ import pytest
 from miles.common.auth import MIN_TOKEN_CHARS
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.openapi_fuzz import fuzz_openapi
+from miles.common.testing.openapi_fuzz import seed_only_generation as fuzz_seed_only
 from miles.common.testing.smoke import console_script
 
 pytestmark = pytest.mark.integration
@@ -71,19 +72,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
 
 
 @pytest.fixture
-def seed_only_generation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Generated requests that depend on the seed only. Hypothesis also draws literals it finds in the local modules
-    the process has loaded ("local constants"), so a derandomized run sends other requests once other tests have
-    imported other code (and after any edit of a string in miles); the fuzz runs without them. A workaround in
-    this file: miles.common.testing.openapi_fuzz does not do it (yet); it reaches into hypothesis internals, whose
-    version requirements/constraints.txt pins."""
-    from hypothesis.internal.conjecture import providers
-    from hypothesis.internal.constants_ast import Constants
-
-    providers.CONSTANTS_CACHE.cache.clear()
-    monkeypatch.setattr(providers, "_get_local_constants", Constants)
-    yield
-    providers.CONSTANTS_CACHE.cache.clear()
+def seed_only_generation() -> Iterator[None]:
+    """Requests that depend on the seed only (see openapi_fuzz.seed_only_generation)."""
+    with fuzz_seed_only():
+        yield
 
 
 def only(document: dict[str, Any], labels: set[str], *, keep: bool) -> dict[str, Any]:

@@ -143,6 +143,25 @@ def fuzz_openapi(
     return report
 
 
+@contextlib.contextmanager
+def seed_only_generation() -> Iterator[None]:
+    """Opt-in: generated requests that depend on the seed only. Hypothesis also draws literals it finds in the local
+    modules the process has loaded ("local constants"), so a derandomized run sends other requests once other tests
+    have imported other code. Not the default of `fuzz_openapi`: some runs reach answers (e.g. a streamed turn) only
+    through those literals. Reaches into hypothesis internals, whose version requirements/constraints.txt pins."""
+    from hypothesis.internal.conjecture import providers
+    from hypothesis.internal.constants_ast import Constants
+
+    original = providers._get_local_constants
+    providers.CONSTANTS_CACHE.cache.clear()
+    providers._get_local_constants = Constants
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
 def ndjson_conformance(document: dict[str, Any]) -> CheckFunction:
     """A check: each line of an `application/x-ndjson` answer is JSON valid against the schema the document gives
     that media type for that status (`$ref`s into the document's components resolve)."""
