@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from miles.buffer.service import SERVICE_NAME
+from miles.buffer.grpc_api import SERVICE_NAME
 from miles.buffer.settings import REQUEST_HEADROOM_BYTES
 from miles.proto.buffer.v1 import buffer_pb2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from miles.buffer.convert import pull_response_bytes
+from miles.buffer.grpc_api import PushGroupCall
 from miles.buffer.records import LeasedRecord, PullResult
-from miles.buffer.service import PushGroupCall
 from miles.buffer.wire import len_field, top_level_len_field
 from miles.proto.buffer.v1 import buffer_pb2
 from miles.proto.common.v1 import common_pb2

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from miles.common.telemetry import Metrics
-from miles.engine.engine import Engine
+from miles.engine.core import Engine
 from miles.engine.errors import BadRequestError
 from miles.engine.main import build_engine
 from miles.engine.protocol import GenerateRequest

@@ -23,9 +23,9 @@ import pytest
 
 from miles.common.serve import serve_async
 from miles.common.telemetry import Metrics
+from miles.router.core import RouterService
 from miles.router.http_api import create_app
 from miles.router.main import build_admin_grpc
-from miles.router.service import RouterService
 from miles.router.settings import RouterSettings
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 409: "Conflict", 500: "Internal Server Error"}

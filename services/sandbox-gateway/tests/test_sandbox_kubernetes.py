@@ -23,8 +23,8 @@ from aiohttp import WSMsgType, web
 
 from miles.common.telemetry import Metrics
 from miles.common.testing import free_port
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.errors import BackendUnusableError, InvalidSandboxRequestError, SandboxGoneError
-from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.kubernetes_backend import KubernetesBackend
 from miles.sandbox.metrics import SandboxMetrics
 from miles.sandbox.models import CreateParams, ExecParams, ExecResult, LimitKind, Limits, NetworkMode, NetworkSpec

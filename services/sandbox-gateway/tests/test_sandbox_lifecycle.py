@@ -16,8 +16,8 @@ import pytest
 
 from miles.common.telemetry import Metrics
 from miles.sandbox.backend import make_backend
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.errors import QuotaExceededError, SandboxGoneError
-from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.local.cgroups import own_cgroup_dirs
 from miles.sandbox.metrics import SandboxMetrics
 from miles.sandbox.models import CreateParams, ExecParams, ExecResult, LimitKind, Limits, OutputChunk

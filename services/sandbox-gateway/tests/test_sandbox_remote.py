@@ -15,8 +15,8 @@ from aiohttp import web
 from miles.common.errors import UpstreamError
 from miles.common.telemetry import Metrics
 from miles.common.testing import free_port
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.errors import BackendUnusableError, SandboxGoneError
-from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.metrics import SandboxMetrics
 from miles.sandbox.models import CreateParams, ExecParams, ExecResult, Limits, NetworkMode, NetworkSpec
 from miles.sandbox.remote_backend import RemoteBackend

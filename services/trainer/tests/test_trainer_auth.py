@@ -114,8 +114,8 @@ def test_settings_refuse_an_exposed_trainer_without_a_token(monkeypatch: pytest.
 @contextlib.asynccontextmanager
 async def guarded_origin() -> AsyncIterator[str]:
     """A weight-sync origin whose API needs TOKEN (its own server builder, memory:// store)."""
+    from miles.weightsync.core import WeightSyncCore
     from miles.weightsync.grpc_api import build_server
-    from miles.weightsync.service import WeightSyncCore
     from miles.weightsync.settings import WeightsyncSettings
 
     store_url = f"memory://trainer-auth-{uuid.uuid4().hex}"

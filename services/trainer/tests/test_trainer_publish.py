@@ -122,8 +122,8 @@ async def test_retryable_failures_are_retried_and_others_are_not(tmp_path: Path)
 
 @pytest.fixture
 async def origin() -> AsyncIterator[str]:
+    from miles.weightsync.core import WeightSyncCore
     from miles.weightsync.grpc_api import SERVICE_NAME, WeightSyncServicer, add_servicer
-    from miles.weightsync.service import WeightSyncCore
     from miles.weightsync.settings import WeightsyncSettings
 
     settings = load_settings(

@@ -27,10 +27,10 @@ from miles.common.testing.smoke import console_script
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from miles.weightsync.client import WeightSyncClient
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.daemon_client import DaemonClient
 from miles.weightsync.grpc_api import build_server
 from miles.weightsync.rollout import Peers
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 
 pytestmark = pytest.mark.integration

@@ -28,8 +28,8 @@ from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics
 from miles.common.testing import free_port
 from miles.weightsync.client import WeightSyncClient
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.grpc_api import build_server
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 
 pytestmark = pytest.mark.integration

@@ -23,6 +23,7 @@ from miles.common.telemetry import Metrics
 from miles.common.testing import free_port
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.weightsync import datachannel
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.daemon_client import DaemonClient, address_host
 from miles.weightsync.datachannel import ACK, HELLO, MAGIC
 from miles.weightsync.errors import DataChannelError, DataChannelSetupError, InvalidPublishError
@@ -32,7 +33,6 @@ from miles.weightsync.metrics import WeightsyncMetrics
 from miles.weightsync.provider import WeightProvider
 from miles.weightsync.publish import PublishAssembler, PublishMeta
 from miles.weightsync.receive import DataChannelReceiver, receive_over_data_channel
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 from miles.weightsync.store import VersionStore
 from miles.weightsync.transports import StreamTransport

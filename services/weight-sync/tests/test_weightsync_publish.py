@@ -20,10 +20,10 @@ from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.weightsync.client import WeightSyncClient, tensor_bytes
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.grpc_api import SERVICE_NAME, WeightSyncServicer, add_servicer
 from miles.weightsync.manifest import TensorSpec
 from miles.weightsync.publish import PublishAssembler, PublishMeta
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 from miles.weightsync.wire import decode_chunk, encode_chunk, weights_chunks
 

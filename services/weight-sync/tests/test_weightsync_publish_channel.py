@@ -27,12 +27,12 @@ from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from miles.weightsync import publish_sender
 from miles.weightsync.client import WeightSyncClient, tensor_bytes
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.daemon_client import DaemonClient
 from miles.weightsync.datachannel import ACK, DONE, HELLO, PUBLISH_MAGIC, connection_tensors
 from miles.weightsync.errors import DataChannelError
 from miles.weightsync.grpc_api import SERVICE_NAME, WeightSyncServicer, add_servicer
 from miles.weightsync.manifest import TensorSpec, manifest_digest
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 from miles.weightsync.wire import spec_to_pb
 

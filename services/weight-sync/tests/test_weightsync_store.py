@@ -13,10 +13,10 @@ import pytest
 
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.errors import DeltaVerificationError, StoreCorruptError, WrongParentError
 from miles.weightsync.manifest import TensorSpec
 from miles.weightsync.publish import PublishAssembler, PublishMeta
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 from miles.weightsync.weights import WeightSet, advance, materialize
 

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 
 from miles.buffer.core import Buffer
+from miles.buffer.grpc_api import CONTROL_METHODS, SERVICE_NAME, BufferServicer, add_buffer_service
 from miles.buffer.metrics import BufferMetrics
-from miles.buffer.service import CONTROL_METHODS, SERVICE_NAME, BufferServicer, add_buffer_service
 from miles.buffer.settings import REQUEST_HEADROOM_BYTES, BufferSettings
 from miles.buffer.store import RedisStore, check_redis_persistence, connect_redis
 from miles.common.auth import BearerAuth

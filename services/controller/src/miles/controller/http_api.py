@@ -25,9 +25,9 @@ from miles.common.http import ReadinessCheck, create_http_app
 from miles.common.jobspec.job import JobSpec
 from miles.common.telemetry import Metrics
 from miles.controller.api_models import JobList, JobView, ResizeRequest
+from miles.controller.core import JobService
 from miles.controller.errors import MissingTokenError, WrongTokenError
 from miles.controller.jobs import JobState
-from miles.controller.service import JobService
 
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 # A Redis stream id `<ms>-<seq>`, each part below 2**64 (19 digits keep it so; Redis refuses larger ones).

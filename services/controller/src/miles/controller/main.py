@@ -15,9 +15,9 @@ from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
 from miles.controller.backends.base import JobBackend
+from miles.controller.core import JobService
 from miles.controller.http_api import build_app
 from miles.controller.metrics import ControllerMetrics
-from miles.controller.service import JobService
 from miles.controller.settings import ControllerSettings
 from miles.controller.shared import SharedServicesClient
 from miles.controller.store import JobStore

@@ -9,7 +9,7 @@ uses on the trainer side and the same construction as SGLang's, so a trainer mee
 Threads: creating a group blocks until every rank joined, and receiving blocks on each broadcast, so both run
 in a thread of their own, never on the event loop nor on the scheduler thread: generation goes on while the
 tensors arrive. The received tensors are validated and applied by the engine like any other update
-(engine.py). An operation that started keeps running to its end even when its HTTP request goes away: a
+(core.py). An operation that started keeps running to its end even when its HTTP request goes away: a
 broadcast the trainer sends must be consumed, and a group that is joining must not be claimed twice.
 
 Limits: one rank per engine (tensor-parallel size 1), so the engine's rank is `rank_offset`; rank 0 is the

@@ -29,8 +29,8 @@ from miles.common.auth import AUTH_RESPONSES
 from miles.common.errors import MilesError
 from miles.common.http import router_error_response
 from miles.engine.auth import EngineAuth
+from miles.engine.core import Engine
 from miles.engine.distributed import DESTROY_MESSAGE, INIT_MESSAGE
-from miles.engine.engine import Engine
 from miles.engine.errors import BadRequestError, EngineBusyError, WeightsCheckError, WeightUpdateError
 from miles.engine.info import ServedModel, legacy_load, loads, model_info, models, server_info
 from miles.engine.openapi_docs import (

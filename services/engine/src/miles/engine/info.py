@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from miles.engine.engine import Engine
+from miles.engine.core import Engine
 from miles.engine.settings import EngineSettings
 
 ENGINE_VERSION = "0.5.23+miles.engine.0.1.0"

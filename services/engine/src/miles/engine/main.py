@@ -22,8 +22,8 @@ from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.engine.core import Engine
 from miles.engine.distributed import UpdateGroups
-from miles.engine.engine import Engine
 from miles.engine.http_api import add_routes
 from miles.engine.info import ServedModel
 from miles.engine.metrics import EngineMetrics

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from miles.common.auth import AUTH_RESPONSES
 from miles.common.http import create_http_app
 from miles.common.telemetry import Metrics
+from miles.router.core import RouterService
 from miles.router.forwarder import ForwardedResponse
 from miles.router.openapi_docs import (
     ADMIN_ENGINE_RESPONSES,
@@ -38,7 +39,6 @@ from miles.router.openapi_docs import (
 )
 from miles.router.relay import StreamRelay
 from miles.router.routing_input import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE
-from miles.router.service import RouterService
 from miles.router.snapshots import EngineSnapshot, PoolStatsSnapshot
 
 

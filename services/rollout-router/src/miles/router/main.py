@@ -14,9 +14,9 @@ from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
 from miles.proto.router.v1 import router_pb2_grpc
+from miles.router.core import RouterService
 from miles.router.grpc_api import SERVICE_NAME, RouterAdminServicer
 from miles.router.http_api import create_app
-from miles.router.service import RouterService
 from miles.router.settings import RouterSettings
 
 SERVICE = "router"

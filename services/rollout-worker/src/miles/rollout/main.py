@@ -11,34 +11,15 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Any
 
-from fastapi import FastAPI
-
-from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.rollout.core import RolloutWorker
+from miles.rollout.http_api import SERVICE, build_app
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.settings import RolloutSettings
-from miles.rollout.worker import RolloutWorker
-
-SERVICE = "rollout"
-
-
-def build_app(metrics: Metrics, worker: RolloutWorker | None) -> FastAPI:
-    checks = {"worker": worker.check_ready} if worker is not None else {}
-    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks=checks, title="miles-rollout-worker")
-
-    @app.get("/v1/status")
-    async def status() -> dict[str, Any]:
-        """The job's cursor and this worker's episodes (`{"job_id": ""}` when idle)."""
-        if worker is None:
-            return {"job_id": "", "idle": True}
-        return await worker.status()
-
-    return app
 
 
 async def run(settings: RolloutSettings) -> int:

@@ -26,8 +26,8 @@ from collections import OrderedDict
 
 from miles.common.auth import SANDBOX_CAPABILITY, bearer_of, job_capability, tokens_match
 from miles.common.errors import PermissionDeniedError, UnauthenticatedError
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.errors import SandboxNotFoundError
-from miles.sandbox.gateway import SandboxGateway
 
 MAX_RECOGNISED_JOBS = 4096
 WHAT = "the sandbox gateway's API"

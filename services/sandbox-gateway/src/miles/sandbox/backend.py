@@ -1,7 +1,7 @@
 """The sandbox backend interface, the one function that picks a backend, and the threat model.
 
 Backends: `local` (bubblewrap on this machine), `kubernetes` (a Pod per sandbox), `remote` (an HTTPS provider
-speaking the sandbox HTTP API). The gateway core (`gateway.py`) owns ids, quotas, TTLs, the warm pool and
+speaking the sandbox HTTP API). The gateway core (`core.py`) owns ids, quotas, TTLs, the warm pool and
 metrics; a backend only starts, runs in, and stops sandboxes it is told about, keyed by the gateway's id.
 
 What each backend protects against, and — the important part — what it does NOT

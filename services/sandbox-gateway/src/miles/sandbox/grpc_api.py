@@ -15,8 +15,8 @@ import grpc
 
 from miles.proto.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from miles.sandbox.access import SandboxAccess
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.errors import InvalidSandboxRequestError
-from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.models import (
     CreateParams,
     ExecEvent,

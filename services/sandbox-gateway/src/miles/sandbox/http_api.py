@@ -40,8 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from miles.common.auth import AUTH_RESPONSES
 from miles.common.errors import MilesError
 from miles.sandbox.access import SandboxAccess
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.errors import FileTooLargeError, InvalidSandboxRequestError
-from miles.sandbox.gateway import SandboxGateway
 from miles.sandbox.models import (
     LIMIT_FIELDS,
     CreateParams,

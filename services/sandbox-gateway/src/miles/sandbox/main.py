@@ -20,7 +20,7 @@ from miles.common.telemetry import Metrics, setup_tracing
 from miles.proto.sandbox.v1 import sandbox_pb2_grpc
 from miles.sandbox.access import SandboxAccess
 from miles.sandbox.backend import make_backend
-from miles.sandbox.gateway import SandboxGateway
+from miles.sandbox.core import SandboxGateway
 from miles.sandbox.grpc_api import SERVICE_NAME, SandboxServicer
 from miles.sandbox.http_api import build_router
 from miles.sandbox.metrics import SandboxMetrics

@@ -17,22 +17,21 @@ from typing import TYPE_CHECKING
 
 from miles.common.auth import BearerAuth
 from miles.common.grpc_server import build_grpc_server
-from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from miles.trainer.events import EventLog
-from miles.trainer.service import SERVICE_NAME, TrainerServicer
+from miles.trainer.grpc_api import SERVICE_NAME, TrainerServicer
+from miles.trainer.http_api import SERVICE, build_http_app
 from miles.trainer.settings import TrainerSettings
 
 if TYPE_CHECKING:
     from miles.trainer.backends.base import TrainBackend
+    from miles.trainer.core import Trainer
     from miles.trainer.distributed import RankRunner
-    from miles.trainer.loop import Trainer
 
-SERVICE = "trainer"
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +50,7 @@ async def serve(settings: TrainerSettings, metrics: Metrics, trainer: Trainer | 
         auth=BearerAuth([settings.auth_token.get_secret_value()], what="the trainer's control API"),
     )
 
-    async def trainer_alive() -> None:
-        if trainer is not None and trainer.state == trainer_pb2.TRAINER_STATE_FAILED:
-            raise RuntimeError(trainer.error)
-
-    app = create_http_app(service=SERVICE, metrics=metrics, readiness_checks={"trainer": trainer_alive})
+    app = build_http_app(metrics, trainer)
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
 
@@ -87,7 +82,7 @@ async def run_rank0(settings: TrainerSettings, runner: RankRunner, backend: Trai
     from miles.buffer.client import BufferClient
     from miles.trainer.checkpoint import CheckpointStore
     from miles.trainer.consumption import Consumer
-    from miles.trainer.loop import Trainer
+    from miles.trainer.core import Trainer
     from miles.trainer.metrics import TrainerMetrics
     from miles.trainer.publish import make_publisher
 

@@ -18,13 +18,13 @@ from miles.common.telemetry import Metrics
 from miles.proto.common.v1 import common_pb2
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.engines import PAUSE_MODES, EngineOutcome
 from miles.weightsync.errors import InvalidPublishError, PublishChannelUnavailableError, UnsupportedTransportError
 from miles.weightsync.events import ENGINE_UPDATE_FAILED, ENGINE_UPDATED, ROLLOUT_COMPLETE, STORED, VersionEvent
 from miles.weightsync.manifest import Manifest
 from miles.weightsync.publish import PublishedVersion
 from miles.weightsync.rollout import PAUSE_TO_PB, TRANSPORT_TO_PB, RolloutPlan
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.wire import (
     TensorChecks,
     encoded_weights_chunks,

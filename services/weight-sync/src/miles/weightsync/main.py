@@ -12,9 +12,9 @@ from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.weightsync.core import WeightSyncCore
 from miles.weightsync.grpc_api import build_server
 from miles.weightsync.memory import tune_malloc_for_streaming
-from miles.weightsync.service import WeightSyncCore
 from miles.weightsync.settings import WeightsyncSettings
 
 SERVICE = "weightsync"

@@ -14,7 +14,7 @@ from miles.trainer.errors import TrainerNotRunningError
 from miles.trainer.events import EventLog
 
 if TYPE_CHECKING:
-    from miles.trainer.loop import Trainer  # imports torch: only where a job runs
+    from miles.trainer.core import Trainer  # imports torch: only where a job runs
 
 SERVICE_NAME = "miles.trainer.v1.TrainerService"
 
