@@ -20,13 +20,25 @@ SMALL = {
     "rms_norm_eps": 1e-6,
 }
 
+SMALL_MOE = {
+    "head_dim": 32,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [1],
+}
+"""Qwen3-MoE: sparse layers 0 and 2 around a dense layer 1, top-2 of 8 experts."""
+
 
 def write_hf_checkpoint(out_dir: Path, family: str, **overrides: Any) -> Path:
-    """A randomly initialised checkpoint of `family` (qwen3, qwen2, llama) saved by transformers."""
+    """A randomly initialised checkpoint of `family` (qwen3, qwen3_moe, qwen2, llama) saved by transformers."""
     import transformers
 
     classes = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, SMALL_MOE),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     }
@@ -55,3 +67,8 @@ def checkpoint_writer() -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", tie_word_embeddings=True)

@@ -1,6 +1,7 @@
 """Deterministic mode: a token's logprob is the same bits however the sequence was computed — one full forward
 (the trainer), prefill then single-token decode against a KV cache (the engine), batched with any other
-sequences, split into any segments — and the full forward stays differentiable."""
+sequences, split into any segments — and the full forward stays differentiable. Every test runs on the dense
+Qwen3 model and on the Qwen3-MoE one (where the other sequences of a batch route tokens to the same experts)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ from miles.model import (
 )
 
 
-@pytest.fixture(scope="module")
-def model(qwen3_dir: Path) -> CausalLM:
-    return load_model(qwen3_dir)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def model(request: pytest.FixtureRequest) -> CausalLM:
+    model_dir: Path = request.getfixturevalue(f"{request.param}_dir")
+    return load_model(model_dir)
 
 
 def _kv(model: CausalLM, capacity: int) -> SequenceKV:
-    c = model.config
-    return SequenceKV(c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim)
+    return SequenceKV.for_config(model.config, capacity)
 
 
 def _random_ids(n: int, seed: int) -> torch.Tensor:

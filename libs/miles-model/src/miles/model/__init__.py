@@ -1,5 +1,6 @@
 """Torch model code shared by the miles engine and trainer: Hugging Face checkpoints, the transformer forward
-(fast and deterministic shape-invariant modes), KV caches and logprob computation.
+(fast and deterministic shape-invariant modes; dense Llama-family models and Qwen3-MoE with routing replay), KV
+caches and logprob computation.
 
 Typical use:
 
@@ -23,13 +24,15 @@ from miles.model.init import init_random_weights
 from miles.model.kernels import DETERMINISTIC_BLOCK_ROWS, single_threaded
 from miles.model.kv_cache import KVBlock, SequenceKV
 from miles.model.logprobs import block_logprobs, row_blocks, sequence_logprobs, target_logprobs
-from miles.model.transformer import CausalLM, Segment
+from miles.model.moe import check_routed_experts
+from miles.model.transformer import CausalLM, ForwardOutput, Segment
 from miles.model.update_group import UPDATE_GROUP_BACKENDS, init_custom_process_group
 
 __all__ = [
     "DETERMINISTIC_BLOCK_ROWS",
     "UPDATE_GROUP_BACKENDS",
     "CausalLM",
+    "ForwardOutput",
     "KVBlock",
     "ModelConfig",
     "ModelError",
@@ -39,6 +42,7 @@ __all__ = [
     "WeightsError",
     "block_logprobs",
     "check_named_tensors",
+    "check_routed_experts",
     "decode_safetensors_bytes",
     "encode_safetensors_bytes",
     "init_custom_process_group",

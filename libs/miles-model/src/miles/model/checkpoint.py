@@ -5,6 +5,11 @@ A checkpoint directory holds `config.json` and either `model.safetensors`, or sh
 any floating dtype are accepted and cast to float32 (the compute dtype). For tied-embedding models a
 `lm_head.weight` entry is ignored, as Hugging Face does; rotary `inv_freq` buffers are ignored too.
 
+Qwen3-MoE experts: our parameters are per expert (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), the
+names of Hub checkpoints and of what `save_pretrained` of transformers 5 writes. The fused 3-D tensors of
+transformers 5's in-memory modules (`...mlp.experts.gate_up_proj` (E, 2I, H), gate rows first, and
+`...mlp.experts.down_proj` (E, H, I)), e.g. a `state_dict()` sent as a weight update, are split into those names.
+
 Updates are all-or-nothing: every name and shape is checked before any parameter changes, so a bad update
 leaves the model as it was.
 """
@@ -12,6 +17,7 @@ leaves the model as it was.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +30,7 @@ from miles.model.errors import WeightsError
 from miles.model.transformer import CausalLM
 
 _INDEX_NAME = "model.safetensors.index.json"
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -77,7 +84,7 @@ def check_named_tensors(
     """Validate names and shapes against the model; returns the float32 tensors to load (ignored names dropped)."""
     params = dict(model.named_parameters())
     checked: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
+    for name, tensor in split_fused_experts(tensors, model.config).items():
         if _ignored(name, model.config):
             continue
         if name not in params:
@@ -94,6 +101,33 @@ def check_named_tensors(
         if missing:
             raise WeightsError(f"{len(missing)} tensors missing, e.g. {missing[0]!r}")
     return checked
+
+
+def split_fused_experts(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors with transformers 5's fused expert tensors replaced by per-expert views (others unchanged)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        if tensor.dim() != 3 or tensor.shape[0] != config.num_experts:
+            raise WeightsError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected ({config.num_experts}, ., .) experts"
+            )
+        for expert in range(tensor.shape[0]):
+            if kind == "down_proj":
+                parts = {"down_proj": tensor[expert]}
+            else:
+                gate, up = tensor[expert].chunk(2, dim=0)
+                parts = {"gate_proj": gate, "up_proj": up}
+            for part, value in parts.items():
+                split_name = f"{prefix}.{expert}.{part}.weight"
+                if split_name in out or split_name in tensors:
+                    raise WeightsError(f"tensor {split_name!r} is given both fused and per expert")
+                out[split_name] = value
+    return out
 
 
 @torch.no_grad()

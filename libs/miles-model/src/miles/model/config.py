@@ -2,8 +2,10 @@
 
 Supported: decoder-only transformers of the Llama family as Hugging Face writes them — Qwen3 (RMSNorm, RoPE,
 GQA attention with per-head q/k RMSNorm, SwiGLU MLP), Qwen2 (q/k/v bias, no q/k norm), Llama and Mistral
-without sliding windows. RoPE scaling variants (YaRN, linear, dynamic, llama3), sliding-window attention and
-MoE layers are refused with a clear error rather than silently computed wrong.
+without sliding windows — and Qwen3-MoE (`qwen3_moe`: Qwen3 attention, sparse mixture-of-experts MLPs on the
+layers `decoder_sparse_step` and `mlp_only_layers` select, see moe.py). RoPE scaling variants (YaRN, linear,
+dynamic, llama3), sliding-window attention and every other MoE architecture (Mixtral, Qwen2-MoE, DeepSeek, ...:
+other routers, shared experts, grouped top-k) are refused with a clear error rather than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +23,35 @@ _ARCH_FLAGS: dict[str, tuple[bool, bool]] = {
     "qwen2": (False, True),
     "llama": (False, False),
     "mistral": (False, False),
+    "qwen3_moe": (True, False),
 }
+
+_OTHER_MOE_TYPES = frozenset(
+    {
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_next",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "glm4_moe",
+        "gpt_oss",
+        "olmoe",
+        "dbrx",
+        "jamba",
+        "phimoe",
+        "granitemoe",
+        "ernie4_5_moe",
+        "minimax",
+        "llama4",
+        "dots1",
+        "hunyuan_v1_moe",
+    }
+)
+"""Mixture-of-experts model types whose routers differ from Qwen3-MoE's (shared experts, sigmoid or grouped
+routing, expert bias): named in the refusal so that nobody mistakes them for a typo."""
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -46,16 +76,49 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     architectures: tuple[str, ...]
+    num_experts: int = 0
+    """Routed experts per sparse layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k) in a sparse layer."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's SwiGLU MLP (dense layers use intermediate_size)."""
+    norm_topk_prob: bool = False
+    """Whether the top-k routing weights are renormalised to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers forced to a dense MLP."""
 
     @property
     def num_query_groups(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """Indices of the sparse (MoE) decoder layers, ascending: the layer axis of routed-expert arrays."""
+        if self.num_experts == 0:
+            return ()
+        return tuple(
+            i
+            for i in range(self.num_hidden_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Number of sparse layers (dense layers are skipped in routed-expert arrays, as SGLang does)."""
+        return len(self.moe_layer_indices)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Parse a Hugging Face config dict; raises UnsupportedModelError for anything computed differently."""
         model_type = str(raw.get("model_type", ""))
+        if model_type in _OTHER_MOE_TYPES:
+            raise UnsupportedModelError(
+                f"mixture-of-experts model_type {model_type!r} is not supported (the only MoE architecture "
+                "implemented is qwen3_moe)"
+            )
         if model_type not in _ARCH_FLAGS:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_ARCH_FLAGS))})"
@@ -88,6 +151,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             architectures=tuple(str(a) for a in raw.get("architectures") or ()),
+            **(_moe_fields(raw) if model_type == "qwen3_moe" else {}),
         )
 
     @classmethod
@@ -120,5 +184,28 @@ def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
         raise UnsupportedModelError("sliding-window attention is not supported")
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
-    if raw.get("num_experts") or raw.get("num_local_experts"):
-        raise UnsupportedModelError("mixture-of-experts layers are not supported")
+    if raw.get("model_type") != "qwen3_moe" and any(raw.get(key) for key in _MOE_KEYS):
+        raise UnsupportedModelError(
+            f"mixture-of-experts layers in model_type {raw.get('model_type')!r} are not supported "
+            "(the only MoE architecture implemented is qwen3_moe)"
+        )
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's fields with Hugging Face's defaults (Qwen3MoeConfig). transformers >= 5 writes the expert
+    count as `num_local_experts`, Hub checkpoints as `num_experts`."""
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)) or 0)
+    top_k = int(raw.get("num_experts_per_tok", 8))
+    step = int(raw.get("decoder_sparse_step", 1))
+    if num_experts < 0 or (num_experts > 0 and not 1 <= top_k <= num_experts):
+        raise UnsupportedModelError(f"num_experts_per_tok {top_k} must be in [1, num_experts={num_experts}]")
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k if num_experts > 0 else 0,
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size", 768)),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": step,
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }

@@ -74,14 +74,25 @@ def sequence_logprobs(
     start: int,
     temperature: float = 1.0,
     deterministic: bool = False,
+    routed_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logprobs of input_ids[start:] each given the tokens before it, from one full forward: (T - start,).
 
     `start` >= 1 (the first token has no logprob). Differentiable: the trainer's loss goes through it. With
     deterministic=True the values equal, bit for bit, what the engine reports for the same tokens in
     deterministic mode (as output logprobs while generating, or as input logprobs when scoring).
+
+    `routed_experts` (MoE models, routing replay): expert ids of the tokens fed through the model, either
+    (T - 1, num_moe_layers, top_k) as SGLang reports them (the last token is never fed: no logprob depends on
+    it, so it is left out of the forward) or (T, num_moe_layers, top_k).
     """
-    if not 1 <= start <= input_ids.shape[0]:
-        raise ValueError(f"start must be in [1, {input_ids.shape[0]}], got {start}")
-    hidden = model(input_ids, deterministic=deterministic)
-    return target_logprobs(model, hidden[start - 1 : -1], input_ids[start:], temperature, deterministic=deterministic)
+    num_tokens = input_ids.shape[0]
+    if not 1 <= start <= num_tokens:
+        raise ValueError(f"start must be in [1, {num_tokens}], got {start}")
+    if routed_experts is None or routed_experts.shape[0] != num_tokens - 1:
+        hidden = model(input_ids, deterministic=deterministic, routed_experts=routed_experts)[:-1]
+    elif num_tokens == 1:
+        hidden = model.model.embed_tokens.weight.new_zeros((0, model.config.hidden_size))
+    else:
+        hidden = model(input_ids[:-1], deterministic=deterministic, routed_experts=routed_experts)
+    return target_logprobs(model, hidden[start - 1 :], input_ids[start:], temperature, deterministic=deterministic)

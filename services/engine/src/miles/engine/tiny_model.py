@@ -13,6 +13,12 @@ What it builds (no downloaded weights, nothing trained):
   `generation_config.json` with Qwen3's end-of-sequence ids.
 A random model generates random tokens; it is meant to exercise the machinery, not to answer.
 
+`--moe` builds the Qwen3-MoE variant instead (`Qwen3MoeForCausalLM`, model_type qwen3_moe): the same attention,
+embeddings, tokenizer, seeding and scales, with every layer's MLP replaced by a sparse block of 8 SwiGLU experts
+of width 128, top-2 routing with renormalised weights (`norm_topk_prob`, as Qwen3-30B-A3B) and a router drawn
+like the other matrices, so that tokens spread over the experts; ~10.6M parameters. It exercises routed-expert
+reporting and routing replay (R3); the dense model stays the default of every test and of `make tiny-model`.
+
 Hook for a warm-up: `--warmup package.module:function` calls `function(model, out_dir)` on the randomly
 initialised `miles.model.CausalLM` before it is saved (e.g. a short supervised fine-tune on synthetic data so
 the demo task starts from a model that sometimes produces its format). No warm-up is built in.
@@ -58,6 +64,19 @@ TINY_QWEN3_CONFIG: dict[str, Any] = {
     "torch_dtype": "bfloat16",
     "use_cache": True,
 }
+TINY_QWEN3_MOE_CONFIG: dict[str, Any] = {
+    **{k: v for k, v in TINY_QWEN3_CONFIG.items() if k != "max_window_layers"},
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
 GENERATION_CONFIG: dict[str, Any] = {"bos_token_id": 151643, "eos_token_id": [151645, 151643]}
 WarmupFn = Callable[[Any, Path], None]
 
@@ -80,15 +99,16 @@ def build_tiny_model(
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
     warmup: WarmupFn | None = None,
+    moe: bool = False,
 ) -> Path:
-    """Write the tiny model into out_dir (created if needed) and return it."""
+    """Write the tiny model (the Qwen3-MoE variant when `moe`) into out_dir (created if needed) and return it."""
     import torch
 
     from miles.model import CausalLM, ModelConfig, init_random_weights, save_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {**TINY_QWEN3_CONFIG, **(config_overrides or {})}
+    config = {**(TINY_QWEN3_MOE_CONFIG if moe else TINY_QWEN3_CONFIG), **(config_overrides or {})}
     model = CausalLM(ModelConfig.from_dict(config))
     init_random_weights(model, seed=seed, std=0.15, embedding_std=0.3)
     if warmup is not None:
@@ -100,9 +120,10 @@ def build_tiny_model(
     source = qwen3_tokenizer_dir()
     for name in TOKENIZER_FILES:
         shutil.copyfile(source / name, out / name)
+    title, architecture = ("tiny-qwen3-moe", "Qwen3-MoE") if moe else ("tiny-qwen3", "Qwen3")
     (out / "README.md").write_text(
-        f"# tiny-qwen3 (seed {seed})\n\nBuilt by `miles-make-tiny-model` (services/engine/src/miles/engine/"
-        "tiny_model.py): randomly initialised Qwen3-architecture weights with the real Qwen3 tokenizer.\n"
+        f"# {title} (seed {seed})\n\nBuilt by `miles-make-tiny-model` (services/engine/src/miles/engine/"
+        f"tiny_model.py): randomly initialised {architecture}-architecture weights with the real Qwen3 tokenizer.\n"
         + ("A warm-up function was applied before saving.\n" if warmup is not None else "Not trained.\n")
     )
     return out
@@ -123,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--warmup", default=None, help="package.module:function applied to the model before saving")
+    parser.add_argument("--moe", action="store_true", help="build the Qwen3-MoE variant (8 experts, top-2)")
     args = parser.parse_args(argv)
     warmup = _load_warmup(args.warmup) if args.warmup else None
-    path = build_tiny_model(args.out_dir, seed=args.seed, warmup=warmup)
+    path = build_tiny_model(args.out_dir, seed=args.seed, warmup=warmup, moe=args.moe)
     print(f"tiny model written to {path}")
