@@ -2,7 +2,7 @@
 
 `FakeEngine` is a hand-written HTTP/1.1 server on asyncio streams (not a web framework) so that tests can make it
 fail the way real engines fail: refuse connections (stopped), close the socket before answering, die in the
-middle of a body or a stream, answer 5xx, be slow. It speaks the /generate protocol shape (sglang-protocol.md §1:
+middle of a body or a stream, answer 5xx, be slow. It speaks the /generate protocol shape (docs/sglang-protocol.md §1:
 `text`/`output_ids`/`meta_info` with `prompt_tokens`, `cached_tokens` from a real longest-prefix cache,
 `weight_version`; SSE with cumulative chunks and `data: [DONE]`), the OpenAI routes with `usage`, and
 /health, /model_info, /server_info (and /health_generate when `generating` is set). These stay for failure

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from miles.common.contracts.weight_version import parse_weight_version
 from miles.router.engine import EngineState
 from miles.router.errors import BackpressureError, NoRoutableEngineError, WeightVersionTooOldError
 
@@ -61,6 +62,15 @@ def test_min_weight_version_gates_engines(make_pool: Any, make_routing: Any) -> 
     assert error.http_status == 409 and error.retryable
     assert error.details["newest"] == 2 and error.details["min_weight_version"] == 3
     assert pool.select(make_routing("s", min_version=None)).engine in engines
+
+
+def test_an_engine_restarted_on_the_initial_weights_is_followed_back_to_version_0(make_pool: Any) -> None:
+    """A poll answering SGLang's "default" reads as version 0 (miles.common.contracts.weight_version), not unknown."""
+    _, pool, engines = make_pool(1)
+    pool.record_version(engines[0], 5, authoritative=True)
+    pool.record_version(engines[0], parse_weight_version("default"), authoritative=True)
+    assert engines[0].weight_version == 0
+    assert engines[0].serves_version(0) and not engines[0].serves_version(1)
 
 
 def test_sticky_engine_behind_the_version_moves_the_session(make_pool: Any, make_routing: Any) -> None:

@@ -82,7 +82,9 @@ def test_batch_and_openai_answers() -> None:
     item = {"output_ids": [1], "meta_info": {"prompt_tokens": 5, "cached_tokens": 2, "weight_version": "default"}}
     batch = meta_from_body(json.dumps([item, item]).encode())
     assert batch is not None and (batch.num_prompt_tokens, batch.num_cached_tokens) == (10, 4)
-    assert batch.weight_version is None
+    assert batch.weight_version == 0  # SGLang's "default": the initial weights (miles.common.contracts)
+    unlabelled = meta_from_body(json.dumps([{**item, "meta_info": {"weight_version": "v2"}}]).encode())
+    assert unlabelled is not None and unlabelled.weight_version is None  # no version: unknown
     usage = {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 3}}}
     openai = meta_from_body(json.dumps(usage).encode())
     assert openai is not None and (openai.num_prompt_tokens, openai.num_cached_tokens) == (9, 3)

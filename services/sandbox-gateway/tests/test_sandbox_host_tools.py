@@ -14,6 +14,8 @@ import pytest
 from miles.sandbox.errors import BackendUnusableError
 from miles.sandbox.local.bwrap import find_host_tools
 
+pytestmark = pytest.mark.integration  # runs bwrap (real and fake ones)
+
 
 def _fake_bwrap(directory: Path, help_text: str) -> str:
     path = directory / "bwrap"

@@ -11,9 +11,10 @@ from google.protobuf import json_format
 
 from miles.proto.common.v1 import common_pb2
 from miles.proto.session.v1 import session_pb2
-from miles.session.errors import SampleAssemblyError
-from miles.session.records import FinishType, TurnRecord
-from miles.session.samples import build_samples
+from miles.session import samples_wire
+from miles.session.errors import SampleAssemblyError, SampleContractError
+from miles.session.records import FinishType, ModelConfig, SessionMeta, TurnRecord
+from miles.session.samples import WeightSpanData, build_samples
 
 STOP = 99
 
@@ -67,6 +68,32 @@ def test_per_turn_samples_and_no_trim_for_the_last_turn() -> None:
         build(RECORDS, ACCUMULATED[:-1])  # the last turn may not be trimmed
     with pytest.raises(SampleAssemblyError, match="allowed trim 0"):
         build(RECORDS, ACCUMULATED, max_trim_tokens=0)
+
+
+@pytest.mark.parametrize(("label", "version"), [("default", 0), ("v2", 0), ("", 0), ("7", 7)])
+def test_span_version_reads_default_as_the_initial_version_and_no_version_as_the_oldest(
+    label: str, version: int
+) -> None:
+    """miles.common.contracts.weight_version: "default" is 0; a label that is no version is recorded as 0 too."""
+    (sample,), _ = build([dataclasses.replace(RECORDS[0], weight_version=label)], [1, 2, 3, 10, STOP])
+    assert [s.weight_version for s in sample.weight_versions] == [version]
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda s: s.loss_mask.append(1),  # the shared Sample contract
+        lambda s: s.weight_versions.append(WeightSpanData(0, 99, 1)),  # the shared Sample contract
+        lambda s: s.rollout_logprobs.__setitem__(1, -0.25),  # this server's guarantee: 0.0 under a 0 mask
+    ],
+)
+def test_a_built_sample_that_breaks_the_contract_is_refused_when_encoded(break_it: Any) -> None:
+    (sample,), _ = build(RECORDS, ACCUMULATED)
+    meta = SessionMeta("s-1", "hash", "job-1", "ep", ModelConfig("/m", "qwen3", "p"), {}, 60, 0)
+    samples_wire.to_sample(sample, meta, group_id="g", reward=1.0, metadata={})  # as built, it keeps the contract
+    break_it(sample)
+    with pytest.raises(SampleContractError, match="sample 'ep'"):
+        samples_wire.to_sample(sample, meta, group_id="g", reward=1.0, metadata={})
 
 
 def test_truncation_keeps_whole_turns_then_cuts_inside_the_first_that_overflows() -> None:

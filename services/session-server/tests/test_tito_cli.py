@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # runs the miles-tito console script
+
 
 def _miles_tito(*args: str) -> subprocess.CompletedProcess[str]:
     script = shutil.which("miles-tito", path=str(Path(sys.executable).parent))

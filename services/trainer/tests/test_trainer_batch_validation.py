@@ -80,6 +80,16 @@ def test_aborted_samples_are_kept_untrainable_without_value_checks(make_group: G
     assert [s.trainable for s in samples] == [False, True]
 
 
+def test_aborted_samples_are_still_held_to_the_sample_contract(make_group: GroupFactory) -> None:
+    """The shared shape check (miles.common.contracts.samples) runs on every sample, as at the buffer."""
+    group = make_group("g")
+    group.samples[0].status = common_pb2.SAMPLE_STATUS_ABORTED
+    group.samples[0].weight_versions.add(start=0, end=99, weight_version=1)
+    with pytest.raises(BadGroupError) as caught:
+        _check(group)
+    assert caught.value.reason == "bad_spans" and "samples[0].weight_versions" in caught.value.message
+
+
 def test_packing_respects_the_budget_and_keeps_every_sequence_once() -> None:
     sizes = [7, 3, 9, 2, 5, 12, 1]
     bins = pack_micro_batches(sizes, 10)

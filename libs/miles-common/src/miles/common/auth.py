@@ -50,10 +50,15 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_token_setting(token: str, *, host: str, field: str) -> None:
-    """Raise ValueError (for a settings validator) when `token` is too short, or empty on a non-loopback host."""
+def check_token_length(token: str, *, field: str) -> None:
+    """Raise ValueError (for a settings validator) when `token` is set but shorter than MIN_TOKEN_CHARS."""
     if token and len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"{field} must have at least {MIN_TOKEN_CHARS} characters")
+
+
+def check_token_setting(token: str, *, host: str, field: str) -> None:
+    """Raise ValueError (for a settings validator) when `token` is too short, or empty on a non-loopback host."""
+    check_token_length(token, field=field)
     if not token and not is_loopback_host(host):
         raise ValueError(
             f"{field} is required when host is {host!r} (not a loopback address): control endpoints must not be "

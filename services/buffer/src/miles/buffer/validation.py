@@ -1,8 +1,9 @@
 """Request validation of the buffer: every check names the offending field and runs before anything is stored.
 
-Checks are about shape (lengths, ranges, span layout, status), never per-token values: those would cost a
-Python-level pass over every token of every sample (milliseconds per group) and are the trainer's to judge
-(it nacks groups it cannot train on).
+Checks are about shape (lengths, ranges, span layout, status: the Sample contract of miles.common.contracts.samples,
+the same check the session server and the trainer run), never per-token values: those would cost a Python-level
+pass over every token of every sample (milliseconds per group) and are the trainer's to judge (it nacks groups it
+cannot train on).
 
 Also summarises a valid group into the few numbers the store needs (staleness, sizes, filter facts), so that
 the Lua scripts never parse protobuf.
@@ -16,18 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from miles.buffer.errors import InvalidRequestError
+from miles.common.contracts.samples import TRAINABLE_STATUSES, sample_problem
 from miles.proto.common.v1 import common_pb2
 
 _JOB_ID_RE = re.compile(r"^[^\s{}]{1,200}$")
-_TRAINABLE = frozenset({common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED})
-_KNOWN_STATUSES = frozenset(
-    {
-        common_pb2.SAMPLE_STATUS_COMPLETED,
-        common_pb2.SAMPLE_STATUS_TRUNCATED,
-        common_pb2.SAMPLE_STATUS_ABORTED,
-        common_pb2.SAMPLE_STATUS_FAILED,
-    }
-)
 MAX_LEASE_IDS_PER_CALL = 100_000
 
 
@@ -54,67 +47,19 @@ def check_job_id(job_id: str) -> None:
         )
 
 
-def _check_spans(sample: common_pb2.Sample, field: str, num_response_tokens: int) -> int:
-    """Checks the weight spans of one sample; returns their smallest version (-1 when there are none)."""
-    min_version = -1
-    previous_end = 0
-    for index, span in enumerate(sample.weight_versions):
-        span_field = f"{field}.weight_versions[{index}]"
-        if span.start < previous_end:
-            raise InvalidRequestError(
-                f"{span_field}: spans must be ordered and not overlap (start {span.start} < {previous_end})",
-                field=span_field,
-            )
-        if not span.start < span.end <= num_response_tokens:
-            raise InvalidRequestError(
-                f"{span_field}: need start < end <= {num_response_tokens} response tokens, got "
-                f"[{span.start}, {span.end})",
-                field=span_field,
-            )
-        if span.weight_version < 0:
-            raise InvalidRequestError(f"{span_field}.weight_version must be >= 0", field=f"{span_field}.weight_version")
-        previous_end = span.end
-        min_version = span.weight_version if min_version < 0 else min(min_version, span.weight_version)
-    return min_version
-
-
 def _check_sample(sample: common_pb2.Sample, field: str, group_id: str) -> int:
-    """Checks one sample's arrays and fields; returns its smallest span version (-1 when it has none)."""
-    num_tokens = len(sample.tokens)
-    if num_tokens == 0:
-        raise InvalidRequestError(f"{field}.tokens is empty", field=f"{field}.tokens")
-    if not 0 <= sample.response_start <= num_tokens:
-        raise InvalidRequestError(
-            f"{field}.response_start must be within [0, {num_tokens}], got {sample.response_start}",
-            field=f"{field}.response_start",
-        )
-    num_response = num_tokens - sample.response_start
-    if len(sample.loss_mask) != num_response:
-        raise InvalidRequestError(
-            f"{field}.loss_mask has {len(sample.loss_mask)} entries, need len(tokens) - response_start = "
-            f"{num_response}",
-            field=f"{field}.loss_mask",
-        )
-    if len(sample.rollout_logprobs) != num_response:
-        raise InvalidRequestError(
-            f"{field}.rollout_logprobs has {len(sample.rollout_logprobs)} entries, need len(loss_mask) = "
-            f"{num_response}",
-            field=f"{field}.rollout_logprobs",
-        )
-    if sample.token_rewards and len(sample.token_rewards) != num_response:
-        raise InvalidRequestError(
-            f"{field}.token_rewards has {len(sample.token_rewards)} entries, need 0 or {num_response}",
-            field=f"{field}.token_rewards",
-        )
-    if sample.status not in _KNOWN_STATUSES:
-        raise InvalidRequestError(f"{field}.status must be set to a known SampleStatus", field=f"{field}.status")
+    """Checks one sample (the shared Sample contract, then what the buffer adds); returns its smallest span
+    version (-1 when it has none)."""
+    problem = sample_problem(sample)
+    if problem is not None:
+        raise InvalidRequestError(f"{field}.{problem.message}", field=f"{field}.{problem.field}")
     if sample.group_id and sample.group_id != group_id:
         raise InvalidRequestError(
             f"{field}.group_id {sample.group_id!r} differs from group.group_id {group_id!r}", field=f"{field}.group_id"
         )
     if not math.isfinite(sample.reward):
         raise InvalidRequestError(f"{field}.reward must be finite", field=f"{field}.reward")
-    return _check_spans(sample, field, num_response)
+    return min((span.weight_version for span in sample.weight_versions), default=-1)
 
 
 def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
@@ -135,7 +80,7 @@ def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
         if sample_min >= 0:
             min_version = sample_min if min_version < 0 else min(min_version, sample_min)
         num_tokens += len(sample.tokens)
-        if sample.status in _TRAINABLE:
+        if sample.status in TRAINABLE_STATUSES:
             trainable_rewards.append(sample.reward)
     return GroupSummary(
         min_weight_version=min_version,

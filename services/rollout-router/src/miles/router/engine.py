@@ -4,15 +4,14 @@ An `Engine` is *available* when it is healthy, not paused, not draining and its 
 only available engines are offered to a routing policy. *Paused* means its generation check failed (monitor.py):
 SGLang answers /health while /pause_generation holds every new request, so health alone would route requests into
 a pause that may last until a weight update resumes the engine. A paused engine is listed as unhealthy (the
-admin contract has no paused state). Its `weight_version` is the integer form of SGLang's `weight_version`
-string (miles engines report str(int)); a non-integer version ("default") is unknown and never satisfies a
-`min_weight_version`.
+admin contract has no paused state). Its `weight_version` is SGLang's `weight_version` string read by
+`miles.common.contracts.weight_version` ("default" = 0, the initial weights); a label that is no version (None)
+is unknown and never satisfies a `min_weight_version`.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -22,8 +21,6 @@ import httpx
 from miles.router.admission import EngineSlots
 from miles.router.breaker import BreakerState, CircuitBreaker, HealthTracker
 from miles.router.errors import InvalidRoutingInputError
-
-_INT_RE = re.compile(r"^-?\d+$")
 
 
 class EngineSource(enum.Enum):
@@ -52,17 +49,6 @@ def normalize_engine_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
         raise InvalidRoutingInputError(f"engine url {url!r} must be http(s)://host[:port][/path]", field="url")
     return stripped
-
-
-def parse_weight_version(value: object) -> int | None:
-    """SGLang reports weight_version as a string; miles versions are integers. None when not an integer."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and _INT_RE.match(value.strip()):
-        return int(value.strip())
-    return None
 
 
 @dataclass(eq=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from miles.common.contracts.weight_version import UNKNOWN_WEIGHT_VERSION
 from miles.proto.router.v1 import router_pb2, router_pb2_grpc
 from miles.router.admin import RouterAdmin
 from miles.router.engine import EngineSource, EngineState
@@ -29,7 +30,7 @@ def engine_info(snapshot: EngineSnapshot) -> router_pb2.EngineInfo:
         pool=snapshot.pool,
         url=snapshot.url,
         state=_STATE[snapshot.state],
-        weight_version=snapshot.weight_version if snapshot.weight_version is not None else -1,
+        weight_version=snapshot.weight_version if snapshot.weight_version is not None else UNKNOWN_WEIGHT_VERSION,
         in_flight=snapshot.in_flight,
         queued=snapshot.queued,
         max_concurrency=snapshot.max_concurrency,

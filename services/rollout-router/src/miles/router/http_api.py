@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
 from miles.common.auth import AUTH_RESPONSES
+from miles.common.contracts.weight_version import UNKNOWN_WEIGHT_VERSION
 from miles.common.http import create_http_app
 from miles.common.telemetry import Metrics
 from miles.router.core import RouterService
@@ -152,7 +153,7 @@ class EngineInfoModel(BaseModel):
             url=snapshot.url,
             state=snapshot.state.value,
             source=snapshot.source.value,
-            weight_version=snapshot.weight_version if snapshot.weight_version is not None else -1,
+            weight_version=snapshot.weight_version if snapshot.weight_version is not None else UNKNOWN_WEIGHT_VERSION,
             in_flight=snapshot.in_flight,
             queued=snapshot.queued,
             queued_tokens=snapshot.queued_tokens,

@@ -16,6 +16,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from miles.common.contracts.weight_version import UNKNOWN_WEIGHT_VERSION
 from miles.common.telemetry import LATENCY_BUCKETS_S, Metrics
 from miles.router.engine import EngineState
 from miles.router.policies import StickyOutcome
@@ -215,7 +216,7 @@ class EngineCollector(Collector):
             draining = engine.state in (EngineState.DRAINING, EngineState.DRAINED)
             families["draining"].add_metric(values, 1.0 if draining else 0.0)
             version = engine.weight_version
-            families["version"].add_metric(values, float(version) if version is not None else -1.0)
+            families["version"].add_metric(values, float(UNKNOWN_WEIGHT_VERSION if version is None else version))
             families["sticky"].add_metric(values, engine.num_sticky_keys)
             families["tree"].add_metric(values, engine.cache_tree_tokens)
         yield from families.values()

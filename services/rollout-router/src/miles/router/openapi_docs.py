@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles.common.contracts.headers import MIN_WEIGHT_VERSION_HEADER, POOL_HEADER, ROUTING_KEY_HEADER
 from miles.router.routing_input import MIN_VERSION_FIELD
 
 Responses = dict[int | str, dict[str, Any]]
@@ -22,7 +23,7 @@ _INTEGER_TEXT = r"^\s*[+-]?\d+\s*$"
 
 ROUTING_HEADERS: list[dict[str, Any]] = [
     {
-        "name": "X-Miles-Pool",
+        "name": POOL_HEADER,
         "in": "header",
         "required": False,
         "schema": {"type": "string"},
@@ -30,7 +31,7 @@ ROUTING_HEADERS: list[dict[str, Any]] = [
         "such pool (yet)",
     },
     {
-        "name": "X-SMG-Routing-Key",
+        "name": ROUTING_KEY_HEADER,
         "in": "header",
         "required": False,
         "schema": {"type": "string"},
@@ -38,7 +39,7 @@ ROUTING_HEADERS: list[dict[str, Any]] = [
         "affinity); else the body's `session_id`, then `session_params.id`",
     },
     {
-        "name": "X-Miles-Min-Weight-Version",
+        "name": MIN_WEIGHT_VERSION_HEADER,
         "in": "header",
         "required": False,
         "schema": {"type": "string", "pattern": _INTEGER_TEXT},

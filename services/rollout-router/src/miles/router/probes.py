@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
+from miles.common.contracts.weight_version import parse_weight_version
 from miles.router.clients import EngineClients
-from miles.router.engine import parse_weight_version
 
 _VERSION_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
 _SERVER_INFO_PATHS = ("/server_info", "/get_server_info")

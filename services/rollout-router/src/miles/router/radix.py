@@ -1,6 +1,6 @@
 """An approximate multi-tenant radix tree of token sequences: which engine (tenant) probably caches which prefix.
 
-Like the SGLang router's tree (sglang-protocol.md §6.4) but over token ids instead of characters: a compressed
+Like the SGLang router's tree (docs/sglang-protocol.md §6.4) but over token ids instead of characters: a compressed
 trie whose nodes record, per tenant, the tick of its last use. A tenant present on a node is present on every
 ancestor, so walking down a key gives each tenant's matched length at once. Eviction is LRU per tenant by a token
 budget: the tenant's least recently used leaves go first, down to `evict_to_fraction` of the budget (hysteresis,

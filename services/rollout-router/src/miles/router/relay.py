@@ -91,7 +91,7 @@ def is_plain(response: httpx.Response) -> bool:
 
 
 def stream_error_event(url: str, exc: Exception, at_boundary: bool) -> bytes:
-    """The SGLang mid-stream error event (sglang-protocol.md §1.4) followed by [DONE]."""
+    """The SGLang mid-stream error event (docs/sglang-protocol.md §1.4) followed by [DONE]."""
     error = {
         "error": {
             "message": f"engine connection broke mid-stream ({url}): {type(exc).__name__}: {exc}",

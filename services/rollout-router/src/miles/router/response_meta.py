@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from miles.router.engine import parse_weight_version
+from miles.common.contracts.weight_version import parse_weight_version
 from miles.router.radix import encode_token_ids
 from miles.router.routing_input import ROUTE_GENERATE, RoutingInput
 

@@ -18,12 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from miles.common.contracts import headers as header_names
 from miles.router.errors import InvalidRoutingInputError
 from miles.router.radix import encode_text, encode_token_ids, num_units
 
-POOL_HEADER = "x-miles-pool"
-ROUTING_KEY_HEADER = "x-smg-routing-key"
-MIN_VERSION_HEADER = "x-miles-min-weight-version"
+# Looked up by lower-case name (Starlette's Headers match any spelling; tests pass plain dicts of lower-case names).
+POOL_HEADER = header_names.POOL_HEADER.lower()
+ROUTING_KEY_HEADER = header_names.ROUTING_KEY_HEADER.lower()
+MIN_VERSION_HEADER = header_names.MIN_WEIGHT_VERSION_HEADER.lower()
 MIN_VERSION_FIELD = "min_weight_version"
 
 ROUTE_GENERATE = "/generate"
@@ -101,8 +103,8 @@ def _min_weight_version(headers: Mapping[str, str], payload: dict[str, Any] | No
             return int(raw_header)
         except ValueError:
             raise InvalidRoutingInputError(
-                f"header X-Miles-Min-Weight-Version must be an integer, got {raw_header!r}",
-                field="X-Miles-Min-Weight-Version",
+                f"header {header_names.MIN_WEIGHT_VERSION_HEADER} must be an integer, got {raw_header!r}",
+                field=header_names.MIN_WEIGHT_VERSION_HEADER,
             ) from None
     if payload is None or payload.get(MIN_VERSION_FIELD) is None:
         return None

@@ -11,13 +11,13 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from miles.common.contracts.samples import TRAINABLE_STATUSES
 from miles.proto.common.v1 import common_pb2
 
 COMPLETED = common_pb2.SAMPLE_STATUS_COMPLETED
 TRUNCATED = common_pb2.SAMPLE_STATUS_TRUNCATED
 ABORTED = common_pb2.SAMPLE_STATUS_ABORTED
 FAILED = common_pb2.SAMPLE_STATUS_FAILED
-TRAINABLE = frozenset({COMPLETED, TRUNCATED})
 MAX_ERROR_CHARS = 2000
 
 
@@ -26,7 +26,7 @@ def status_name(status: int) -> str:
 
 
 def is_trainable(sample: common_pb2.Sample) -> bool:
-    return sample.status in TRAINABLE
+    return sample.status in TRAINABLE_STATUSES
 
 
 def placeholder(episode_id: str, group_id: str) -> common_pb2.Sample:

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from miles.common.auth import bearer_headers
 from miles.common.errors import MilesError, error_class_for_http_status
 from miles.common.http_client import CLIENT_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.proto.session.v1 import session_pb2
@@ -71,7 +72,7 @@ class SessionClient:
         self.base_url = base_url.rstrip("/")
         self.retry_budget_s = retry_budget_s
         self.has_operator_token = bool(operator_token)
-        self._operator_headers = {"authorization": f"Bearer {operator_token}"} if operator_token else {}
+        self._operator_headers = bearer_headers(operator_token)
         self._on_retry = on_retry
         self.on_uncertain_create = on_uncertain_create
         self._http = traced_async_client(
@@ -125,7 +126,7 @@ class SessionClient:
         return SessionHandle(created["session_id"], created["base_url"], created["token"])
 
     def _session_headers(self, handle: SessionHandle, **extra: str) -> dict[str, str]:
-        return {"authorization": f"Bearer {handle.token}", **extra}
+        return {**bearer_headers(handle.token), **extra}
 
     async def samples(
         self,

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from miles.common.auth import bearer_headers
 from miles.common.errors import MilesError, UpstreamError, error_class_for_http_status
 from miles.sandbox.errors import BackendUnusableError, SandboxGoneError, SandboxNotFoundError
 from miles.sandbox.models import (
@@ -92,12 +93,9 @@ class RemoteBackend:
         return self._client
 
     async def start(self) -> None:
-        headers = {}
-        if self.remote.api_key.get_secret_value():
-            headers["Authorization"] = f"Bearer {self.remote.api_key.get_secret_value()}"
         self._client = httpx.AsyncClient(
             base_url=self.remote.base_url.rstrip("/"),
-            headers=headers,
+            headers=bearer_headers(self.remote.api_key.get_secret_value()),
             timeout=self.remote.request_timeout_s,
             verify=self.remote.verify_tls,
         )

@@ -13,6 +13,7 @@ from typing import ClassVar
 from miles.common.errors import (
     ConflictError,
     InvalidArgumentError,
+    MilesError,
     NotFoundError,
     PermissionDeniedError,
     UnauthenticatedError,
@@ -104,6 +105,12 @@ class SampleAssemblyError(UnprocessableError):
     code = "sample_assembly_failed"
 
 
+class SampleContractError(MilesError):
+    """A sample this server built breaks the Sample contract (miles.common.contracts.samples): a bug, so 500."""
+
+    code = "sample_contract_broken"
+
+
 class SessionBusyError(UnavailableError):
     """The per-session lock stayed taken for lock_wait_s (another request is in its critical section)."""
 
@@ -161,6 +168,7 @@ __all__ = [
     "PromptTooLongError",
     "RequestTooLargeError",
     "SampleAssemblyError",
+    "SampleContractError",
     "SessionBusyError",
     "SessionNotFoundError",
     "StoreUnavailableError",

@@ -12,7 +12,6 @@ POST /v1/sessions, whose schema the OpenAPI states exactly); larger than max_bod
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from miles.common.auth import bearer_of, tokens_match
 from miles.common.errors import MilesError
 from miles.common.http import create_http_app, error_response
 from miles.common.telemetry import Metrics
@@ -157,13 +157,13 @@ class Auth:
 
     @staticmethod
     def bearer(request: Request) -> str:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_of(request.headers.get("authorization"))
+        if not token:
             raise MissingTokenError("send `Authorization: Bearer <token>` (the session token is the agent's api_key)")
-        return token.strip()
+        return token
 
     def is_operator(self, token: str) -> bool:
-        return bool(self._operator_token) and hmac.compare_digest(token.encode(), self._operator_token.encode())
+        return tokens_match(token, self._operator_token)
 
     def require_operator(self, request: Request) -> None:
         if not self._operator_token:

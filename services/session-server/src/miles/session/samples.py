@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from miles.common.contracts.weight_version import INITIAL_WEIGHT_VERSION, parse_weight_version
 from miles.session.errors import SampleAssemblyError
 from miles.session.records import FinishType, TurnRecord
 
@@ -51,7 +52,7 @@ class WeightSpanData:
 
 @dataclass
 class SampleData:
-    """A `miles.common.v1.Sample` before encoding (invariants: see `check`)."""
+    """A `miles.common.v1.Sample` before encoding (checked against the Sample contract when encoded: samples_wire)."""
 
     sample_id: str
     tokens: list[int]
@@ -62,17 +63,13 @@ class SampleData:
     status: str = COMPLETED
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    def check(self) -> None:
-        """The shape invariants the buffer enforces (a failure here is a bug, not bad input)."""
-        num_response = len(self.tokens) - self.response_start
-        assert self.tokens and 0 <= self.response_start <= len(self.tokens)
-        assert len(self.loss_mask) == len(self.rollout_logprobs) == num_response
-        assert all(lp == 0.0 for lp, mask in zip(self.rollout_logprobs, self.loss_mask, strict=True) if not mask)
 
-
-def weight_version_number(raw: str) -> int:
-    """SGLang reports versions as strings; ours are integers. Anything else (SGLang's "default") counts as 0."""
-    return int(raw) if raw.isdigit() else 0
+def span_version(label: str) -> int:
+    """The version a turn's span records for the engine's weight_version label ("default" is 0). A label that is no
+    version counts as the initial weights too: the oldest version, so the trainer's staleness bound sees the
+    sample at its stalest rather than fresher than it may be."""
+    version = parse_weight_version(label)
+    return INITIAL_WEIGHT_VERSION if version is None else version
 
 
 def align(records: Sequence[TurnRecord], token_ids: Sequence[int], max_trim_tokens: int) -> list[TurnSlice]:
@@ -165,7 +162,7 @@ def merge(turns: Sequence[TurnSlice], token_ids: Sequence[int], sample_id: str) 
         sample.rollout_logprobs.extend(logprobs)
         num_null += nulls
         if turn.num_kept:  # a turn whose only token was trimmed (GLM) generated nothing that stays
-            version = weight_version_number(turn.record.weight_version)
+            version = span_version(turn.record.weight_version)
             sample.weight_versions.append(WeightSpanData(span_start, span_start + turn.num_kept, version))
     sample.metadata = {**_turn_facts(included), "num_null_logprobs": num_null, "num_turns": len(included)}
     return sample
@@ -175,7 +172,7 @@ def per_turn(turns: Sequence[TurnSlice], token_ids: Sequence[int], episode_id: s
     samples = []
     for turn in turns:
         logprobs, nulls = _turn_arrays(turn)
-        version = weight_version_number(turn.record.weight_version)
+        version = span_version(turn.record.weight_version)
         samples.append(
             SampleData(
                 sample_id=f"{episode_id}/turn-{turn.record.turn_index}",
@@ -213,6 +210,4 @@ def build_samples(
     if not turns:
         return [aborted_placeholder(episode_id, placeholder_token_id, "all_truncated")], "all_truncated"
     samples = [merge(turns, token_ids, episode_id)] if mode == "merge" else per_turn(turns, token_ids, episode_id)
-    for sample in samples:
-        sample.check()
     return samples, ""

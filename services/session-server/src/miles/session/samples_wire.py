@@ -1,7 +1,9 @@
 """The samples payload on the wire: `miles.session.v1.SessionSamples` of `miles.common.v1.Sample`s.
 
 Protobuf binary for `Accept: application/x-protobuf`, else the protobuf JSON mapping with the proto's field names
-(`google.protobuf.json_format.Parse` reads either spelling back).
+(`google.protobuf.json_format.Parse` reads either spelling back). Every sample is checked as it is encoded: the
+Sample contract the buffer and the trainer check too (miles.common.contracts.samples), plus this server's own
+guarantee that a logprob under a 0 loss mask is 0.0. A failure is this server's bug (SampleContractError, 500).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from miles.common.contracts.samples import sample_problem
 from miles.proto.common.v1 import common_pb2
 from miles.proto.session.v1 import session_pb2
+from miles.session.errors import SampleContractError
 from miles.session.records import Json, SessionMeta
 from miles.session.samples import SampleData
 
@@ -34,7 +38,21 @@ def to_sample(sample: SampleData, meta: SessionMeta, *, group_id: str, reward: f
         status=f"SAMPLE_STATUS_{sample.status}",
     )
     message.metadata.update({**metadata, **sample.metadata, "session_id": meta.session_id, "job_id": meta.job_id})
+    _check_built(message)
     return message
+
+
+def _check_built(message: common_pb2.Sample) -> None:
+    """SampleContractError when a built sample breaks the contract or this server's guarantee (module docstring);
+    the zip is strict because sample_problem has checked the lengths first."""
+    problem = sample_problem(message)
+    if problem is not None:
+        raise SampleContractError(f"sample {message.sample_id!r}: {problem.message}", field=problem.field)
+    pairs = zip(message.rollout_logprobs, message.loss_mask, strict=True)
+    if any(logprob != 0.0 for logprob, mask in pairs if not mask):
+        raise SampleContractError(
+            f"sample {message.sample_id!r}: rollout_logprobs must be 0.0 where loss_mask is 0", field="rollout_logprobs"
+        )
 
 
 def session_samples(meta: SessionMeta, samples: list[Any], *, empty_reason: str, session_metadata: Json) -> Any:

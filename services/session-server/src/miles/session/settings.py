@@ -1,9 +1,9 @@
 """Settings of the session-server (environment prefix MILES_SESSION_), validated at start-up.
 
-Operator token rule: a server bound to a non-loopback interface refuses to start without an `operator_token`
-(32+ characters). On 127.0.0.1 / ::1 / localhost it may run without one; operator endpoints (job configs, listing,
-creating and deleting any session) are then open to local callers, which is meant for development only. Per-session
-capability tokens are always enforced.
+Operator token rule (miles.common.auth.check_token_setting): a server bound to a non-loopback interface refuses to
+start without an `operator_token` (32+ characters). On 127.0.0.1 / ::1 / localhost it may run without one; operator
+endpoints (job configs, listing, creating and deleting any session) are then open to local callers, which is meant
+for development only. Per-session capability tokens are always enforced.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from miles.common.auth import is_loopback_host
+from miles.common.auth import check_token_setting
 from miles.common.settings import ServiceSettings, service_config
-
-MIN_OPERATOR_TOKEN_CHARS = 32
 
 
 class SessionSettings(ServiceSettings):
@@ -105,14 +103,7 @@ class SessionSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _check_operator_token(self) -> SessionSettings:
-        token = self.operator_token.get_secret_value()
-        if token and len(token) < MIN_OPERATOR_TOKEN_CHARS:
-            raise ValueError(f"operator_token must have at least {MIN_OPERATOR_TOKEN_CHARS} characters")
-        if not token and not is_loopback_host(self.host):
-            raise ValueError(
-                f"operator_token is required when host is {self.host!r} (not a loopback address): "
-                "set MILES_SESSION_OPERATOR_TOKEN"
-            )
+        check_token_setting(self.operator_token.get_secret_value(), host=self.host, field="operator_token")
         if self.default_ttl_s > self.max_ttl_s:
             raise ValueError("default_ttl_s must not exceed max_ttl_s")
         return self

@@ -2,7 +2,7 @@
 
 Request: `input_ids`, `sampling_params`, `return_logprob: true`, `stream` when the client streams, headers
 `X-SMG-Routing-Key: <session_id>` (KV-cache affinity) and `X-Miles-Pool: <engine pool>`. Response
-(reference/sglang-protocol.md §1.3-1.4): the sampled ids come from `meta_info.output_token_logprobs`, 3-element
+(docs/sglang-protocol.md §1.3-1.4): the sampled ids come from `meta_info.output_token_logprobs`, 3-element
 entries `[logprob, token_id, text|null]`; `finish_reason` is an object `{type: stop|length|abort, matched?}`.
 Streaming tolerates both cumulative and delta chunks (the rule: `completion_tokens` is always cumulative).
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from miles.common.contracts.headers import POOL_HEADER, ROUTING_KEY_HEADER
 from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.session.errors import (
     UpstreamConflictError,
@@ -29,9 +30,6 @@ from miles.session.errors import (
     UpstreamUnavailableError,
 )
 from miles.session.records import FinishType
-
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-POOL_HEADER = "X-Miles-Pool"
 
 
 @dataclass(frozen=True)

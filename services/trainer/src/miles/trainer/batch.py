@@ -2,8 +2,10 @@
 reason) and the per-sample data every backend consumes.
 
 The buffer checks shapes at push time, but the trainer does not trust that: a group from an older producer, a
-corrupted store or a buggy agent must never crash a step. Each check maps to one bounded `reason` label
-(used in the nack reason and the `miles_trainer_groups_rejected_total{reason}` counter).
+corrupted store or a buggy agent must never crash a step. Every sample is held to the shared Sample contract
+(miles.common.contracts.samples, the check the buffer runs; its problem kinds are reasons here); the samples
+trained on also to per-token checks against the model. Each check maps to one bounded `reason` label (used in the
+nack reason and the `miles_trainer_groups_rejected_total{reason}` counter).
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from miles.common.contracts.samples import TRAINABLE_STATUSES, sample_problem
 from miles.proto.common.v1 import common_pb2
 
-TRAINABLE_STATUSES = frozenset({common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED})
-KNOWN_STATUSES = TRAINABLE_STATUSES | {common_pb2.SAMPLE_STATUS_ABORTED, common_pb2.SAMPLE_STATUS_FAILED}
 REJECT_REASONS = (
     "empty_group",
-    "misaligned",
+    "misaligned",  # with unknown_status and bad_spans: the shared contract's ProblemKind values
     "unknown_status",
     "bad_loss_mask",
     "bad_spans",
@@ -71,28 +72,15 @@ class TrainSample:
 
 
 def _check_sample(sample: common_pb2.Sample, where: str, vocab_size: int, max_positions: int) -> None:
-    num_tokens = len(sample.tokens)
-    if num_tokens == 0 or not 0 <= sample.response_start <= num_tokens:
-        raise BadGroupError("misaligned", f"{where}: response_start {sample.response_start} outside [0, {num_tokens}]")
-    num_response = num_tokens - sample.response_start
-    for name in ("loss_mask", "rollout_logprobs"):
-        if len(getattr(sample, name)) != num_response:
-            raise BadGroupError(
-                "misaligned", f"{where}.{name} has {len(getattr(sample, name))} entries, need {num_response}"
-            )
-    if sample.token_rewards and len(sample.token_rewards) != num_response:
-        raise BadGroupError("misaligned", f"{where}.token_rewards has {len(sample.token_rewards)} entries")
-    if sample.status not in KNOWN_STATUSES:
-        raise BadGroupError("unknown_status", f"{where}.status {sample.status} is not a known SampleStatus")
+    """The shared Sample contract for every sample, then, for the ones trained on, what the model needs."""
+    problem = sample_problem(sample)
+    if problem is not None:
+        raise BadGroupError(problem.kind, f"{where}.{problem.message}")
     if sample.status not in TRAINABLE_STATUSES:
         return
+    num_tokens = len(sample.tokens)
     if any(value not in (0, 1) for value in sample.loss_mask):
         raise BadGroupError("bad_loss_mask", f"{where}.loss_mask has values other than 0 and 1")
-    previous_end = 0
-    for span in sample.weight_versions:
-        if span.start < previous_end or not span.start < span.end <= num_response or span.weight_version < 0:
-            raise BadGroupError("bad_spans", f"{where}.weight_versions span [{span.start}, {span.end}) is invalid")
-        previous_end = span.end
     if any(not 0 <= token < vocab_size for token in sample.tokens):
         raise BadGroupError("token_out_of_range", f"{where}.tokens has ids outside [0, {vocab_size})")
     if num_tokens > max_positions:

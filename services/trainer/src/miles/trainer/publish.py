@@ -9,7 +9,7 @@
   `/update_weights_from_disk` on each (debugging; clusters without a data path between the pools);
 - `none`: nothing (SFT jobs, tests).
 
-**Versions are honest** (DESIGN invariant 2). A version number carries exactly the weights of one trainer step
+**Versions are honest** (docs/architecture.md §4.2). A version number carries exactly the weights of one trainer step
 of one lineage, and is never reused with other weights. `publish` sends the version the step produced (parent
 = version - 1). `resume` runs once at start-up with the weights the trainer starts from (the initial weights, or
 a restored checkpoint of version R): when nothing above R was ever published it republishes R (idempotent: the

@@ -21,6 +21,7 @@ from typing import Literal, Self
 from pydantic import Field, SecretStr, model_validator
 
 from miles.common.auth import check_token_setting
+from miles.common.contracts.engine_control import PauseMode
 from miles.common.jobspec.trainer import Section, TrainConfig
 from miles.common.settings import ServiceSettings, service_config
 
@@ -67,7 +68,7 @@ class PublishSettings(Section):
     engine_urls: list[str] = Field(default_factory=list)
     """nccl, disk: engines updated besides the router pool's (base URLs, e.g. http://127.0.0.1:30000)."""
 
-    pause_mode: Literal["drain", "abort", "retract", "in_place"] = "drain"
+    pause_mode: PauseMode = "drain"
     """nccl, disk: how an engine is quiesced for its update (drain needs router_url; without a router, retract)."""
 
     max_engines_updating: int = Field(default=1, ge=1)

@@ -1,6 +1,6 @@
 """HTTP clients of what weight-sync drives: an engine's SGLang control endpoints and the router's admin API.
 
-Only the calls of a weight update are here (sglang-protocol.md §3): pause/continue, the three load endpoints,
+Only the calls of a weight update are here (docs/sglang-protocol.md §3): pause/continue, the three load endpoints,
 /update_weight_version, /model_info, and the NCCL group calls. A refused call (non-2xx, or `success: false`)
 raises EngineUpdateError with the engine's message; a connection failure or a timeout raises
 EngineUnreachableError.

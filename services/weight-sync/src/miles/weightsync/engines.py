@@ -1,6 +1,6 @@
 """Updating one engine next to this daemon: quiesce, load, set the version, check it, resume.
 
-The protocol for one engine (sglang-protocol.md §3, miles-agentic.md §6.2):
+The protocol for one engine (docs/sglang-protocol.md §3, docs/life-of-a-weight-version.md):
 
 0. prepare through the transport while the engine keeps serving: fetch, decode, verify, encode (transports.py);
 1. quiesce — `drain`: DrainEngine at the router and wait until nothing is in flight (new requests go to other
@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from miles.common.contracts.weight_version import UNKNOWN_WEIGHT_VERSION, parse_weight_version
 from miles.common.errors import MilesError
 from miles.weightsync.engine_client import EngineClient, RouterClient
 from miles.weightsync.errors import EngineUpdateError, UnsupportedTransportError
@@ -51,7 +52,6 @@ from miles.weightsync.transports import LoadResult, PreparedLoad, WeightTranspor
 from miles.weightsync.weights import WeightSet
 
 log = logging.getLogger(__name__)
-PAUSE_MODES = ("drain", "abort", "retract", "in_place")
 DEFAULT_DRAIN_TIMEOUT_S = 60.0  # the settings' defaults, for callers that build LocalEngines themselves
 DEFAULT_CONTROL_TIMEOUT_S = 30.0
 FAIL_CALL_TIMEOUT_S = 10.0  # each best-effort call of the failure path (drain, pause)
@@ -63,7 +63,7 @@ class EngineOutcome:
     """The result of one engine's last update, as GetVersion / UpdateEngines report it."""
 
     engine_url: str
-    weight_version: int = -1
+    weight_version: int = UNKNOWN_WEIGHT_VERSION
     update_failed: bool = False
     error: str = ""
     fell_back: bool = False
@@ -90,12 +90,11 @@ def _since(unix_ms: int) -> float:
     return max(0.0, time.time() - unix_ms / 1000) if unix_ms > 0 else 0.0
 
 
-def parse_version(label: str | None) -> int:
-    """SGLang's weight_version string as an integer; -1 when absent or not an integer ("default")."""
-    try:
-        return int(label) if label is not None else -1
-    except ValueError:
-        return -1
+def reported_version(label: str | None) -> int:
+    """An engine's reported weight_version as GetVersion carries it: "default" is version 0 (the initial weights),
+    a label that is no version is UNKNOWN_WEIGHT_VERSION, behind every stored version (miles.common.contracts)."""
+    version = parse_weight_version(label)
+    return UNKNOWN_WEIGHT_VERSION if version is None else version
 
 
 class LocalEngines:
@@ -150,9 +149,9 @@ class LocalEngines:
 
         async def live_version(state: _EngineState) -> int:
             try:
-                return parse_version(await asyncio.wait_for(state.client.weight_version(), VERSION_READ_TIMEOUT_S))
+                return reported_version(await asyncio.wait_for(state.client.weight_version(), VERSION_READ_TIMEOUT_S))
             except (MilesError, TimeoutError):
-                return -1
+                return UNKNOWN_WEIGHT_VERSION
 
         states = list(self._engines.items())
         versions = await asyncio.gather(*(live_version(state) for _, state in states))
@@ -242,7 +241,7 @@ class LocalEngines:
         with self._stage(state, "set_version"):
             await state.client.update_weight_version(str(version))
             reported = await state.client.weight_version()
-            if parse_version(reported) != version:
+            if reported_version(reported) != version:
                 raise EngineUpdateError(f"engine {url} reports version {reported!r} after loading {version}")
         state.weights = result.weights
         self.metrics.bytes_to_engines.labels(transport.name).inc(result.bytes_to_engine)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from miles.common.auth import BearerAuth
+from miles.common.contracts.engine_control import PAUSE_MODES
 from miles.common.errors import InvalidArgumentError, MilesError
 from miles.common.grpc_server import GrpcServer, build_grpc_server
 from miles.common.telemetry import Metrics
@@ -19,7 +20,7 @@ from miles.proto.common.v1 import common_pb2
 from miles.proto.weightsync.v1 import weightsync_pb2 as pb
 from miles.proto.weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 from miles.weightsync.core import WeightSyncCore
-from miles.weightsync.engines import PAUSE_MODES, EngineOutcome
+from miles.weightsync.engines import EngineOutcome
 from miles.weightsync.errors import InvalidPublishError, PublishChannelUnavailableError, UnsupportedTransportError
 from miles.weightsync.events import ENGINE_UPDATE_FAILED, ENGINE_UPDATED, ROLLOUT_COMPLETE, STORED, VersionEvent
 from miles.weightsync.manifest import Manifest

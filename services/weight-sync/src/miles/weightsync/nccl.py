@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.common.ports import free_port
 from miles.model.update_group import init_custom_process_group as init_custom_process_group
 from miles.weightsync.engine_client import EngineClient
 from miles.weightsync.transports import LoadResult, PreparedLoad, WeightTransport
@@ -70,15 +71,6 @@ def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[t
     return result
 
 
-def _free_port(address: str) -> int:
-    """A port free right now on this host (for master_port 0: one rendezvous port per group, chosen here)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
-
-
 @dataclass
 class _Group:
     name: str
@@ -105,7 +97,8 @@ class NcclTransport(WeightTransport):
         self._next_index += 1
         cfg = self.config
         name = f"{cfg.group_name}-{index}"
-        port = cfg.master_port + index if cfg.master_port else _free_port(cfg.master_address)
+        # master_port 0: one rendezvous port per group, free on every interface of this host right now
+        port = cfg.master_port + index if cfg.master_port else free_port("")
         body = {
             "master_address": cfg.master_address,
             "master_port": port,

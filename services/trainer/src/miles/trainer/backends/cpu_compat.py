@@ -1,6 +1,6 @@
 """What megatron-core 0.16.1 needs to run on a machine without CUDA; applied only when CUDA is absent.
 
-Megatron assumes a GPU in two places a CPU forward/backward reaches (see platform-notes.md):
+Megatron assumes a GPU in two places a CPU forward/backward reaches (found with torch's CPU build):
 - `torch.cuda.current_device()` is called for device arguments (rotary embeddings, the attention buffers):
   on the CPU it is made to return "cpu";
 - the model-parallel RNG tracker (`tensor_parallel.get_cuda_rng_tracker().fork()`) saves and restores CUDA RNG
