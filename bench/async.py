@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 from _async_agent import ALPHA, MAX_TURNS, num_turns  # noqa: E402
 
-from miles.controller.cli_follow import iter_events  # noqa: E402
-from miles.controller.cli_platform import Layout, start_platform, stop_platform  # noqa: E402
+from miles.cli.follow import iter_events  # noqa: E402
+from miles.cli.launcher import Layout, start_platform, stop_platform  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async.json"
 NUM_STEPS = 16

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO_ROOT / "examples"))
 from demo import ensure_model  # noqa: E402
 
 from miles.buffer.client import BufferClient  # noqa: E402
-from miles.controller.cli_platform import Layout, load_state, start_platform, stop_platform  # noqa: E402
+from miles.cli.launcher import Layout, load_state, start_platform, stop_platform  # noqa: E402
 
 SHARED_TARGETS = ("redis", "buffer", "router", "session", "sandbox", "controller")
 JOB_TARGETS = ("engine", "weightsync", "worker", "trainer")

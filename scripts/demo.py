@@ -32,10 +32,10 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 
-from miles.controller.cli import console, controller_client, follow_job  # noqa: E402
-from miles.controller.cli_follow import JobWatch, reward_table  # noqa: E402
-from miles.controller.cli_platform import Layout, load_state, start_platform, stop_platform  # noqa: E402
-from miles.controller.cli_platform import ensure_platform as ensure_running_platform  # noqa: E402
+from miles.cli.follow import JobWatch, reward_table  # noqa: E402
+from miles.cli.launcher import Layout, load_state, start_platform, stop_platform  # noqa: E402
+from miles.cli.launcher import ensure_platform as ensure_running_platform  # noqa: E402
+from miles.cli.main import console, controller_client, follow_job  # noqa: E402
 
 NUM_EDGE_STEPS = 3
 """reward_first / reward_last average this many steps (one step is 32 episodes: noisy on its own)."""
@@ -98,8 +98,8 @@ def final_checkpoint_model(layout: Layout, job_id: str) -> Path:
 def evaluate(layout: Layout, spec: dict[str, Any], model_dir: Path, eval_path: Path, what: str) -> float:
     import asyncio
 
+    from miles.cli.evaluation import evaluate_model, platform_endpoints
     from miles.common.jobspec.job import JobSpec
-    from miles.controller.cli_eval import evaluate_model, platform_endpoints
 
     started = time.monotonic()
     with console.status(f"evaluating the {what} model on {eval_path.name}"):

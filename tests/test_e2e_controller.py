@@ -28,6 +28,7 @@ import pytest
 
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.smoke import console_script
+from miles.controller.backends.local_processes import proc_start_time
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -121,15 +122,6 @@ class Controller:
         """(pid, kernel start time) of every process the local backend recorded for the job."""
         state = json.loads((self.job_dir(job_id) / "state.json").read_text())
         return {record["name"]: (record["pid"], record["start_time"]) for record in state["processes"]}
-
-
-def proc_start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def alive(pids: dict[str, tuple[int, int]]) -> dict[str, bool]:

@@ -1,9 +1,8 @@
-"""The health summary `miles status` prints and GET /v1/jobs/{id} returns: the reward trend over the observed
+"""The health summary GET /v1/jobs/{id} returns (and `miles status` prints): the reward trend over the observed
 steps and the statistics that announce a collapse, each warning on its own threshold."""
 
 from __future__ import annotations
 
-from miles.controller.cli import health_line
 from miles.controller.health import job_health
 
 HEALTHY = {
@@ -34,11 +33,3 @@ def test_each_collapse_indicator_warns_on_its_own() -> None:
         warnings = job_health({**HEALTHY, key: bad}, [0.5] * 5).warnings
         assert len(warnings) == 1 and warnings[0].startswith(start), warnings
     assert job_health({}, []).warnings == []  # nothing observed yet: nothing to say
-
-
-def test_health_line_shows_the_numbers_and_the_warnings() -> None:
-    job = {"job_id": "j1", "health": {**job_health(HEALTHY, [0.2, 0.3, 0.4]).__dict__}}
-    line = health_line(job)
-    assert "reward 0.30 -> 0.30" in line and "zero_signal 25%" in line and "clip 3.0%" in line and "ok" in line
-    sick = {"job_id": "j2", "health": {**job_health({**HEALTHY, "entropy": 0.0}, []).__dict__}}
-    assert "entropy collapsed" in health_line(sick) and "reward - -> -" in health_line(sick)

@@ -149,6 +149,7 @@ def test_owned_objects_point_at_the_created_spec_config_map() -> None:
     assert all("ownerReferences" not in o["metadata"] for o in objects)
 
 
+@pytest.mark.integration  # helm
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
 def test_chart_templates_instantiate_to_valid_objects_wired_to_the_spec_config_map(mode: str) -> None:
     """Every object the controller would create from the chart's templates is a valid Kubernetes 1.34 object,
@@ -189,6 +190,7 @@ def test_chart_templates_instantiate_to_valid_objects_wired_to_the_spec_config_m
     assert int(rank0_port) in [p["port"] for p in services[trainer_service]["spec"]["ports"]]
 
 
+@pytest.mark.integration  # helm
 def test_the_templates_say_which_engine_they_run() -> None:
     assert engine_kind_of(chart_templates()) == "cpu"
     assert engine_kind_of(chart_templates("jobTemplates.engine.kind=sglang")) == "sglang"

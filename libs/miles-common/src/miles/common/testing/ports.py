@@ -1,12 +1,7 @@
-"""Free loopback ports for servers started by tests."""
+"""Free loopback ports for servers started by tests: the production helper, re-exported for the tests' imports."""
 
 from __future__ import annotations
 
-import socket
+from miles.common.ports import free_port
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; a race with other processes is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port"]

@@ -7,11 +7,6 @@ killed (timeout, Ctrl-C twice) does not leave servers behind.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import os
-import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -19,16 +14,7 @@ from pathlib import Path
 
 import httpx
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when its parent exits (no-op where prctl is missing)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+from miles.common.spawn import ProcessSpec, kill, spawn, terminate
 
 
 def wait_for_http_ready(url: str, timeout_s: float = 60.0, process: subprocess.Popen[bytes] | None = None) -> None:
@@ -64,22 +50,13 @@ class ServiceProcess:
         self.argv = list(argv)
         self.ready_url = ready_url
         self.log_path = log_path
-        self.env = {**os.environ, **(env or {})}
+        self.env = dict(env or {})  # added to the environment this process has at start()
         self.cwd = cwd
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, ready_timeout_s: float = 60.0) -> ServiceProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log_file:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        spec = ProcessSpec(tuple(self.argv), self.log_path, self.env, cwd=self.cwd, die_with_parent=True)
+        self.process = spawn(spec)
         if self.ready_url is not None:
             try:
                 wait_for_http_ready(self.ready_url, ready_timeout_s, self.process)
@@ -101,23 +78,14 @@ class ServiceProcess:
 
     def kill9(self) -> None:
         """SIGKILL the whole process group: what a crash looks like."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
+        if self.process is not None:
+            kill(self.process)
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; returns the exit code."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        return self.process.returncode
+        return terminate(self.process, grace_s=timeout_s)
 
     def __enter__(self) -> ServiceProcess:
         return self.start()

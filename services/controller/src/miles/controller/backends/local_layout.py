@@ -20,23 +20,16 @@ Config files, logs and pid files live in the job directory. Nothing here starts 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from miles.common.jobspec.job import JobSpec
+from miles.common.ports import free_port
+from miles.common.spawn import SettingValue, console_script, settings_env
 from miles.controller.backends.base import PlatformTokens, SharedServices
-from miles.controller.backends.local_processes import ProcessRecord, free_port
-
-
-def console_script(name: str) -> str:
-    """An installed console script: next to the running interpreter (the virtualenv), else on PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.exists():
-        return str(beside)
-    return shutil.which(name) or name
+from miles.controller.backends.local_processes import ProcessRecord
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> str:
@@ -59,9 +52,9 @@ def uses_weightsync(spec: JobSpec) -> bool:
     return spec.weight_sync.transport == "stream"
 
 
-def token_env(tokens: Mapping[str, str]) -> dict[str, str]:
-    """The environment entries of the tokens that are set (an unset one leaves the setting's empty default)."""
-    return {name: value for name, value in tokens.items() if value}
+def token_env(service_env_name: str, tokens: Mapping[str, str]) -> dict[str, str]:
+    """The service's variables of the tokens that are set (an unset one leaves the setting's empty default)."""
+    return settings_env(service_env_name, tokens, omit_empty=True)
 
 
 def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformTokens) -> ProcessRecord:
@@ -82,13 +75,8 @@ def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformToke
         role="engine",
         argv=argv,
         env={
-            "MILES_ENGINE_LOG_JSON": "false",
-            **token_env(
-                {
-                    "MILES_ENGINE_ADMIN_API_KEY": tokens.engine_admin_api_key,
-                    "MILES_ENGINE_API_KEY": tokens.engine_api_key,
-                }
-            ),
+            **settings_env("ENGINE", {"log_json": False}),
+            **token_env("ENGINE", {"admin_api_key": tokens.engine_admin_api_key, "api_key": tokens.engine_api_key}),
         },
         log_path=str(job_dir / f"engine-{index}.log"),
         ready_url=f"{url}/readyz",
@@ -133,34 +121,35 @@ def write_weightsync_config(
         "log_json": False,
     }
     path = _write_json(job_dir / "weightsync.json", config)
-    tokens = token_env(
-        {
-            "MILES_WEIGHTSYNC_AUTH_TOKEN": shared.tokens.weightsync,
-            "MILES_WEIGHTSYNC_ROUTER_ADMIN_TOKEN": shared.tokens.router_admin,
-            "MILES_WEIGHTSYNC_ENGINE_ADMIN_API_KEY": shared.tokens.engine_admin_api_key,
-            "MILES_WEIGHTSYNC_ENGINE_API_KEY": shared.tokens.engine_api_key,
-        }
-    )
-    record.env = {"MILES_WEIGHTSYNC_CONFIG_FILE": path, **tokens}
+    tokens = {
+        "auth_token": shared.tokens.weightsync,
+        "router_admin_token": shared.tokens.router_admin,
+        "engine_admin_api_key": shared.tokens.engine_admin_api_key,
+        "engine_api_key": shared.tokens.engine_api_key,
+    }
+    record.env = {**settings_env("WEIGHTSYNC", {"config_file": path}), **token_env("WEIGHTSYNC", tokens)}
 
 
 def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, index: int) -> ProcessRecord:
     port = free_port()
     name = f"worker-{index}"
     config_path = _write_json(job_dir / f"{name}.json", {"rollout": spec.rollout.model_dump(mode="json")})
+    settings: dict[str, SettingValue] = {
+        "port": port,
+        "job_id": job_id,
+        "worker_id": f"{job_id}-{name}",
+        "config_file": config_path,
+        "redis_url": shared.redis_url,
+        "session_server_url": shared.session_url,
+        "session_operator_token": shared.session_operator_token,
+        "buffer_address": shared.buffer_address,
+        "sandbox_address": shared.sandbox_address,
+        "sandbox_http_url": shared.sandbox_http_url,
+        "log_json": False,
+    }
     env = {
-        "MILES_ROLLOUT_PORT": str(port),
-        "MILES_ROLLOUT_JOB_ID": job_id,
-        "MILES_ROLLOUT_WORKER_ID": f"{job_id}-{name}",
-        "MILES_ROLLOUT_CONFIG_FILE": config_path,
-        "MILES_ROLLOUT_REDIS_URL": shared.redis_url,
-        "MILES_ROLLOUT_SESSION_SERVER_URL": shared.session_url,
-        "MILES_ROLLOUT_SESSION_OPERATOR_TOKEN": shared.session_operator_token,
-        "MILES_ROLLOUT_BUFFER_ADDRESS": shared.buffer_address,
-        "MILES_ROLLOUT_SANDBOX_ADDRESS": shared.sandbox_address,
-        "MILES_ROLLOUT_SANDBOX_HTTP_URL": shared.sandbox_http_url,
-        "MILES_ROLLOUT_LOG_JSON": "false",
-        **token_env({"MILES_ROLLOUT_SANDBOX_TOKEN": shared.tokens.sandbox_job(job_id)}),
+        **settings_env("ROLLOUT", settings),
+        **token_env("ROLLOUT", {"sandbox_token": shared.tokens.sandbox_job(job_id)}),
     }
     url = f"http://127.0.0.1:{port}"
     return ProcessRecord(
@@ -196,6 +185,16 @@ def trainer_publish_section(
     return section
 
 
+def _trainer_tokens(shared: SharedServices) -> dict[str, str]:
+    return {
+        "auth_token": shared.tokens.trainer,
+        "weightsync_auth_token": shared.tokens.weightsync,
+        "engine_admin_api_key": shared.tokens.engine_admin_api_key,
+        "engine_api_key": shared.tokens.engine_api_key,
+        "router_admin_token": shared.tokens.router_admin,
+    }
+
+
 def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, origin: str) -> ProcessRecord:
     """The trainer; `origin` is the job's weight-sync origin (host:port) for the stream transport."""
     port, metrics_port = free_port(), free_port()
@@ -222,18 +221,7 @@ def trainer_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServ
         name="trainer",
         role="trainer",
         argv=argv,
-        env={
-            "MILES_TRAINER_CONFIG_FILE": path,
-            **token_env(
-                {
-                    "MILES_TRAINER_AUTH_TOKEN": shared.tokens.trainer,
-                    "MILES_TRAINER_WEIGHTSYNC_AUTH_TOKEN": shared.tokens.weightsync,
-                    "MILES_TRAINER_ENGINE_ADMIN_API_KEY": shared.tokens.engine_admin_api_key,
-                    "MILES_TRAINER_ENGINE_API_KEY": shared.tokens.engine_api_key,
-                    "MILES_TRAINER_ROUTER_ADMIN_TOKEN": shared.tokens.router_admin,
-                }
-            ),
-        },
+        env={**settings_env("TRAINER", {"config_file": path}), **token_env("TRAINER", _trainer_tokens(shared))},
         log_path=str(job_dir / "trainer.log"),
         ready_url=f"http://127.0.0.1:{metrics_port}/readyz",
         url=f"127.0.0.1:{port}",

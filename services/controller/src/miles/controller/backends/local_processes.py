@@ -5,8 +5,8 @@ controller restart: argv, the environment it adds, its log file, its pid and the
 The start time (field 22 of `/proc/<pid>/stat`, clock ticks since boot) is what tells *our* process from another
 one that reused the pid, so a controller restart never adopts (or kills) a stranger.
 
-Processes run in their own session (`start_new_session`) with no parent-death signal, so they outlive the
-controller; stopping signals the whole process group. Linux only (`/proc`).
+Processes are started by miles.common.spawn in their own session with no parent-death signal, so they outlive
+the controller; stopping signals the whole process group. Linux only (`/proc`).
 
 Limits: a process that the controller did not start itself (adopted) leaves no exit code to read (its parent is
 now init), so its exit is reported as -1.
@@ -14,25 +14,18 @@ now init), so its exit is reported as -1.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.common.spawn import ProcessSpec, signal_process, spawn
+
 PROCESS_ROLES = ("engine", "weightsync", "worker", "trainer")
 """Kinds of per-job process, in start order."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -99,21 +92,8 @@ class ProcessTable:
 
     def spawn(self, record: ProcessRecord, pid_dir: Path) -> None:
         """Start `record`'s process now (log appended), and fill in its pid and start time."""
-        log_path = Path(record.log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as log_file:
-            log_file.write(f"\n--- start {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(record.argv)}\n".encode())
-            log_file.flush()
-            child = subprocess.Popen(
-                record.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **record.env},
-                cwd=self.cwd,
-                start_new_session=True,
-                close_fds=True,
-            )
+        spec = ProcessSpec(tuple(record.argv), Path(record.log_path), record.env, cwd=self.cwd, log_banner=True)
+        child = spawn(spec)
         self._children[child.pid] = child
         record.pid = child.pid
         record.start_time = proc_start_time(child.pid) or 0
@@ -143,13 +123,8 @@ class ProcessTable:
 
     def signal(self, record: ProcessRecord, signum: int) -> None:
         """Send `signum` to the process's group (its own session), else to the process; nothing if it is gone."""
-        if not self.is_running(record):
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(record.pid) == record.pid:
-                os.killpg(record.pid, signum)
-            else:
-                os.kill(record.pid, signum)
+        if self.is_running(record):
+            signal_process(record.pid, signum)
 
     def stop_all(self, records: list[ProcessRecord], grace_s: float) -> None:
         """SIGTERM every process, wait up to `grace_s` for all, then SIGKILL those left (blocking)."""

@@ -1,6 +1,6 @@
 """The platform keeper: restarts a dead shared service of `miles up`, on its ports, with backoff.
 
-`miles up` starts it detached (`python -m miles.controller.platform_keeper --home <home>`) once every service is
+`miles up` starts it detached (`python -m miles.cli.platform_keeper --home <home>`) once every service is
 ready. Every `poll_interval_s` it checks each service's pid (and that the pid still runs the service's program);
 a dead one is started again from `<home>/run/services.json`, with the argv and environment it was first started
 with: same ports, same tokens, same data directories (Redis replays its AOF). Per-job processes keep their
@@ -18,7 +18,6 @@ program while its service was down keeps that service down (logged, retried with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -28,8 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.common.logs import configure_logging
-from miles.controller.platform_state import (
+from miles.cli.platform_state import (
     SERVICE_ORDER,
     Layout,
     PlatformState,
@@ -40,10 +38,12 @@ from miles.controller.platform_state import (
     save_state,
     spawn_service,
 )
+from miles.common.logs import configure_logging
+from miles.common.spawn import ProcessSpec, signal_process, spawn
 
 log = logging.getLogger(__name__)
 
-KEEPER_PROGRAM = "miles.controller.platform_keeper"
+KEEPER_PROGRAM = "miles.cli.platform_keeper"
 """What the keeper's command line names (`python -m <this>`), checked before it is signalled."""
 
 
@@ -119,16 +119,8 @@ class PlatformKeeper:
 
 def start_keeper(layout: Layout) -> int:
     """Start the keeper detached (its own session, it outlives `miles up`); returns its pid."""
-    log_path = layout.log_file("keeper")
-    with log_path.open("ab") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", KEEPER_PROGRAM, "--home", str(layout.home.resolve())],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return process.pid
+    argv = (sys.executable, "-m", KEEPER_PROGRAM, "--home", str(layout.home.resolve()))
+    return spawn(ProcessSpec(argv, layout.log_file("keeper"))).pid
 
 
 def stop_keeper(state: PlatformState, *, grace_s: float = 5.0) -> None:
@@ -136,14 +128,12 @@ def stop_keeper(state: PlatformState, *, grace_s: float = 5.0) -> None:
     pid = state.keeper_pid
     if not pid or not pid_alive(pid, KEEPER_PROGRAM):
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
+    signal_process(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while pid_alive(pid, KEEPER_PROGRAM) and time.monotonic() < deadline:
         time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if pid_alive(pid, KEEPER_PROGRAM):
-            os.killpg(pid, signal.SIGKILL)
+    if pid_alive(pid, KEEPER_PROGRAM):
+        signal_process(pid, signal.SIGKILL)
 
 
 def keeper_alive(state: PlatformState) -> bool:

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from miles.controller.cli import app
-from miles.controller.cli_platform import SERVICE_ORDER, Layout, load_state, pid_alive, stop_platform
-from miles.controller.platform_keeper import KEEPER_PROGRAM
-from miles.controller.platform_state import PlatformState, is_ready
+from miles.cli.launcher import SERVICE_ORDER, Layout, load_state, pid_alive, stop_platform
+from miles.cli.main import app
+from miles.cli.platform_keeper import KEEPER_PROGRAM
+from miles.cli.platform_state import PlatformState, is_ready
 
 pytestmark = pytest.mark.integration
 

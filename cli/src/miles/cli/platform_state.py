@@ -8,7 +8,6 @@ control tokens) from which the keeper restarts a dead service exactly as it was 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
@@ -16,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from miles.common.spawn import ProcessSpec, spawn
 
 SERVICE_ORDER = ("redis", "buffer", "sandbox", "router", "session", "controller")
 """Start order (stop order is the reverse)."""
@@ -152,16 +153,8 @@ def spawn_service(
 ) -> tuple[ServiceRecord, subprocess.Popen[bytes]]:
     log_path = layout.log_file(spec.name)
     threads = {"OMP_NUM_THREADS": str(threads_per_process)} if threads_per_process > 0 else {}
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            spec.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **threads, **spec.env},
-            cwd=Path.cwd(),
-            start_new_session=True,  # survives this CLI; its own process group for `down`
-        )
+    # Its own session (the default): it survives this CLI, and `down` signals its process group.
+    process = spawn(ProcessSpec(tuple(spec.argv), log_path, env={**threads, **spec.env}, cwd=Path.cwd()))
     layout.pid_file(spec.name).write_text(f"{process.pid}\n")
     record = ServiceRecord(spec.name, process.pid, Path(spec.argv[0]).name, spec.url, spec.ready_url, str(log_path))
     return record, process

@@ -12,10 +12,10 @@ from types import ModuleType
 import pytest
 import yaml
 
+from miles.cli.follow import JobWatch
 from miles.common.jobspec.job import JobSpec
-from miles.controller.cli_follow import JobWatch
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
 
 

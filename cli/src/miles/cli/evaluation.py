@@ -13,9 +13,6 @@ Limits: the local platform only (the engine runs on this machine); one engine pe
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,12 +22,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from miles.cli.launcher import Layout, PlatformError, load_state
+from miles.cli.platform_tokens import SESSION_OPERATOR, load_tokens, platform_tokens
 from miles.common.jobspec.job import JobSpec
+from miles.common.ports import free_port
+from miles.common.spawn import ProcessSpec, console_script, settings_env, spawn, terminate
 from miles.controller.backends.base import PlatformTokens
-from miles.controller.backends.local_layout import console_script, token_env
 from miles.controller.backends.local_pool import RouterPool
-from miles.controller.cli_platform import Layout, PlatformError, free_port, load_state
-from miles.controller.platform_tokens import SESSION_OPERATOR, load_tokens, platform_tokens
 
 if TYPE_CHECKING:
     from miles.rollout.evaluate import EvalResult
@@ -74,12 +72,9 @@ def engine_process(model_dir: Path, log_path: Path, tokens: PlatformTokens) -> I
     platform's engine admin key."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [console_script("miles-engine"), "--model-path", str(model_dir), "--port", str(port)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        env = {**os.environ, **token_env({"MILES_ENGINE_ADMIN_API_KEY": tokens.engine_admin_api_key})}
-        env.update(token_env({"MILES_ENGINE_API_KEY": tokens.engine_api_key}))
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    argv = (console_script("miles-engine"), "--model-path", str(model_dir), "--port", str(port))
+    keys = {"admin_api_key": tokens.engine_admin_api_key, "api_key": tokens.engine_api_key}
+    process = spawn(ProcessSpec(argv, log_path, env=settings_env("ENGINE", keys, omit_empty=True)))
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _ready(f"{url}/readyz"):
@@ -88,13 +83,7 @@ def engine_process(model_dir: Path, log_path: Path, tokens: PlatformTokens) -> I
             time.sleep(0.5)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        terminate(process, grace_s=30.0)
 
 
 def _ready(url: str) -> bool:

