@@ -1,4 +1,4 @@
-"""Shared fixtures of the engine tests: the tiny model (built once per session) and real engine processes."""
+"""Shared fixtures of the engine tests: the tiny models (built once per session) and real engine processes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from miles.engine.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE model (4 sparse layers, 8 experts, top-2), built by our own builder."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", moe=True)
 
 
 @dataclass

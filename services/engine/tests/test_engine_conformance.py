@@ -1,5 +1,5 @@
 """Conformance of a running miles-engine (the tiny model, a real subprocess) with SGLang's native protocol:
-every item of the checklist in shared/reference/sglang-protocol.md §9, by number."""
+every item of the checklist in docs/sglang-protocol.md §9, by number."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ async def test_update_under_pause_applies_at_once_and_abort_all_aborts(engine: A
 
 
 def test_min_weight_version_is_a_retryable_409_until_the_engine_serves_it(engine: Any) -> None:
-    """DESIGN.md §4.4: an engine that is behind answers 409 (body field or header), never stale tokens."""
+    """docs/architecture.md §4.4: an engine that is behind answers 409 (body field or header), never stale tokens."""
     engine.post("/update_weight_version", {"new_version": "4"})
     request = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     behind = httpx.post(f"{engine.url}/generate", json={**request, "min_weight_version": 5}, timeout=60)

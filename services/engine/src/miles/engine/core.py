@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from miles.common.contracts.weight_version import INITIAL_WEIGHT_VERSION, parse_weight_version
 from miles.common.errors import MilesError
 from miles.engine.distributed import UpdateGroups
 from miles.engine.errors import BadRequestError, WeightsCheckError, WeightUpdateError, WeightVersionBehindError
@@ -69,7 +70,9 @@ class Engine:
         if required is None:
             return
         served = self.scheduler.weight_version
-        served_number = int(served) if served.lstrip("-").isdigit() else 0  # SGLang's "default" = initial weights
+        served_number = parse_weight_version(served)  # SGLang's "default" is 0, the initial weights
+        if served_number is None:  # a label that is no version ("v2"): count it as the oldest weights there are
+            served_number = INITIAL_WEIGHT_VERSION
         if served_number < required:
             raise WeightVersionBehindError(
                 f"engine serves weight version {served}, request needs >= {required}; retry once it is updated",
@@ -319,6 +322,7 @@ def _sequence(planned: PlannedSequence, emit: Any, arrival_s: float, *, internal
         arrival_time_s=arrival_s,
         internal=internal,
         namespace=planned.namespace,
+        routed_experts_start_len=planned.routed_experts_start_len,
         rng=random.Random(seed if seed is not None else secrets.randbits(64)),
     )
 

@@ -6,6 +6,11 @@ LRU eviction and exact cached_tokens); only the numbers are made up:
   random stream when temperature > 0, mapped onto the tokenizer's regular vocabulary (so text decodes), and is
   the end-of-sequence token with probability `fake_eos_probability`;
 - logprobs are hash-derived values in [-5, 0); top-k lists are plausible but made up;
+- for a Qwen3-MoE config (model_type qwen3_moe), routed experts are made up too: at each MoE layer a position
+  goes to `num_experts_per_tok` consecutive experts (mod num_experts), starting at a hash of (weights generation,
+  position, the tokens up to it (at most four), layer). They are computed when the request ends, so they equal a
+  cold run's for cached prefixes as well (unless the weights changed while a prefix stayed cached: a real model would
+  report the routing computed under the old weights then);
 - a forward sleeps `fake_forward_cost_s` (whatever its batch, as a memory-bound GPU decode step) plus
   `fake_prefill_token_cost_s` per prompt token computed plus `fake_decode_token_cost_s` per generated token, so
   cache hits are faster exactly as with a real model.
@@ -18,7 +23,9 @@ answers 400.
 
 from __future__ import annotations
 
+import array
 import json
+import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -61,6 +68,7 @@ class FakeRunner:
             vocab_size=int(raw.get("vocab_size", num_regular_tokens)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             eos_token_ids=eos_ids,
+            **_moe_layout(raw),
         )
         self._num_text_tokens = max(1, min(num_regular_tokens, self.info.vocab_size))
         self._eos_id = eos_ids[0] if eos_ids else None
@@ -89,6 +97,19 @@ class FakeRunner:
         if cost_s > 0:
             self.sleep(cost_s)
         return [self._forward_one(item) for item in items]
+
+    def routed_experts(self, seq: Sequence, start: int, end: int) -> bytes:
+        tokens = seq.all_ids
+        top_k, num_experts = self.info.num_experts_per_tok, self.info.num_experts
+        ids = array.array("i")
+        for position in range(start, end):
+            h = _mix(self._generation, position, *tokens[max(0, position - 3) : position + 1])
+            for layer in range(self.info.num_moe_layers):
+                first = _mix(h, layer) % num_experts
+                ids.extend((first + slot) % num_experts for slot in range(top_k))
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return ids.tobytes()
 
     def _forward_one(self, item: ForwardItem) -> ForwardResult:
         seq = item.seq
@@ -151,6 +172,21 @@ class FakeRunner:
 
     def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
         raise WeightsCheckError("the fake model (--fake-model) holds no weights to check")
+
+
+def _moe_layout(raw: dict[str, Any]) -> dict[str, int]:
+    """ModelInfo's MoE fields from a config.json, read as miles.model reads Qwen3-MoE (no torch here): layer i is
+    sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers. Other types count as dense."""
+    if raw.get("model_type") != "qwen3_moe":
+        return {}
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)) or 0)
+    step = max(1, int(raw.get("decoder_sparse_step") or 1))
+    dense = set(raw.get("mlp_only_layers") or ())
+    layers = [i for i in range(int(raw.get("num_hidden_layers", 0))) if i not in dense and (i + 1) % step == 0]
+    if num_experts <= 0 or not layers:
+        return {}
+    top_k = min(int(raw.get("num_experts_per_tok", 8)), num_experts)
+    return {"num_moe_layers": len(layers), "num_experts_per_tok": top_k, "num_experts": num_experts}
 
 
 def _is_decode(item: ForwardItem) -> bool:

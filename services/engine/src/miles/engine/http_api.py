@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.common.auth import AUTH_RESPONSES
+from miles.common.contracts.headers import MIN_WEIGHT_VERSION_HEADER
 from miles.common.errors import MilesError
 from miles.common.http import router_error_response
 from miles.engine.auth import EngineAuth
@@ -135,7 +136,7 @@ def add_generation_routes(router: APIRouter, engine: Engine, settings: EngineSet
             body = GenerateRequest.model_validate_json(await request.body())
         except ValidationError as exc:
             return _schema_error(exc.errors())
-        plan = engine.plan(body, _min_weight_version(request.headers.get("x-miles-min-weight-version")))
+        plan = engine.plan(body, _min_weight_version(request.headers.get(MIN_WEIGHT_VERSION_HEADER)))
         if plan.stream:
             return StreamingResponse(_sse(engine, plan), media_type="text/event-stream")
         return JSONResponse(await engine.generate(plan))
@@ -335,7 +336,7 @@ def _min_weight_version(header: str | None) -> int | None:
     try:
         return int(header)
     except ValueError:
-        raise BadRequestError(f"X-Miles-Min-Weight-Version must be an integer, got {header!r}") from None
+        raise BadRequestError(f"{MIN_WEIGHT_VERSION_HEADER} must be an integer, got {header!r}") from None
 
 
 def _failure(exc: MilesError) -> JSONResponse:

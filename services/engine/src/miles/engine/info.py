@@ -1,7 +1,7 @@
 """The engine's self-description in SGLang's shapes: /model_info, /server_info, /v1/models and /v1/loads.
 
-`version` reads "0.5.23+miles.engine.<ours>": the SGLang release whose protocol this engine follows (the
-OpenAPI in shared/reference), with a local part saying what it really is.
+`version` reads "0.5.23+miles.engine.<ours>": the SGLang release whose protocol this engine follows
+(docs/sglang-protocol.md), with a local part saying what it really is.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def server_info(engine: Engine, settings: EngineSettings, served: ServedModel) -
         "disaggregation_mode": "null",
         "disable_radix_cache": settings.disable_radix_cache,
         "enable_deterministic_inference": settings.deterministic,
+        "enable_return_routed_experts": settings.enable_return_routed_experts,
         "fake_model": settings.fake_model,
         "weight_version": engine.scheduler.weight_version,
         "device": "cpu",

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from miles.common.errors import ConfigError
 from miles.common.http import create_http_app
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
@@ -57,8 +58,16 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
     """Tokenizer, model runner (warmed up), prefix cache and the running scheduler."""
     tokenizer = TextTokenizer(settings.resolved_tokenizer_path)
     runner = make_runner(settings, tokenizer.num_regular_tokens)
-    runner.warmup()
     info = runner.info
+    if settings.enable_return_routed_experts and info.num_moe_layers == 0:
+        # Fail loudly rather than answer every request without the routing it asked for (SGLang fails at start
+        # too: its capturer reads the config's num_experts_per_tok, which a dense model lacks).
+        raise ConfigError(
+            f"enable_return_routed_experts needs a MoE model, but {settings.model_path} ({info.model_type}) has no "
+            "MoE layers",
+            field="enable_return_routed_experts",
+        )
+    runner.warmup()
     served_name = settings.resolved_served_model_name
     scheduler = Scheduler(
         runner,
@@ -77,6 +86,7 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         context_length=settings.context_length or info.max_position_embeddings,
         max_total_tokens=settings.max_total_tokens,
         max_sequences_per_request=settings.max_running_requests,
+        return_routed_experts=settings.enable_return_routed_experts,
     )
     served = ServedModel(
         model_path=str(settings.model_path),
@@ -124,7 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     if not (settings.api_key.get_secret_value() or settings.admin_api_key.get_secret_value()):
         log.warning("no api_key or admin_api_key: every route is open to local callers (loopback development mode)")
     metrics = Metrics(SERVICE)
-    engine, served = build_engine(settings, metrics)
+    try:
+        engine, served = build_engine(settings, metrics)
+    except ConfigError as exc:
+        log.error("cannot start", extra={"error": exc.message, "field": exc.field})
+        raise SystemExit(f"miles-engine: {exc.message}") from None
 
     async def stop_scheduler() -> None:
         await asyncio.to_thread(engine.scheduler.stop)

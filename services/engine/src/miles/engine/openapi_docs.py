@@ -1,7 +1,7 @@
 """What the engine's OpenAPI document says each route answers: statuses, media types and bodies, as SGLang does.
 
 FastAPI infers JSON answers and a 422 for every route with a body or a query; this engine answers as SGLang does
-(sglang-protocol.md), which the declarations here state: a request that breaks the schema is a 400 with SGLang's
+(docs/sglang-protocol.md), which the declarations here state: a request that breaks the schema is a 400 with SGLang's
 OpenAI-style body (`SchemaError`), never a 422; /flush_cache answers text/plain (200 flushed, 400 not idle);
 /health, /health_generate and /abort_request answer an empty body; /generate answers JSON or, with `stream`,
 `text/event-stream`; control routes answer `{"success", "message"}` with 200 or 400. Errors the engine raises
@@ -16,6 +16,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from miles.common.contracts.headers import MIN_WEIGHT_VERSION_HEADER
 from miles.engine.planning import Limits
 from miles.engine.protocol import (
     DiskUpdateResponse,
@@ -28,7 +29,6 @@ from miles.engine.protocol import (
 
 Responses = dict[int | str, dict[str, Any]]
 
-MIN_WEIGHT_VERSION_HEADER = "X-Miles-Min-Weight-Version"
 MIN_WEIGHT_VERSION_PATTERN = r"^\s*[+-]?\d+\s*$"
 """What the header may hold: an integer (Python's int() reading, surrounding blanks allowed)."""
 SCHEMA_ERROR = "SchemaError"
@@ -45,7 +45,10 @@ GENERATE_EVENT_SCHEMA: dict[str, Any] = {
     "properties": {"data": {"type": "string", "pattern": r"^(\[DONE\]|\{.*\})$"}},
 }
 _GENERATE_RESULT_SCHEMA: dict[str, Any] = {
-    "description": "One response object (`text`, `output_ids`, `meta_info`), or a list of them for a batch or n > 1",
+    "description": "One response object (`text`, `output_ids`, `meta_info`), or a list of them for a batch or n > 1. "
+    "With `return_routed_experts` and --enable-return-routed-experts, `meta_info.routed_experts` is base64 of "
+    "little-endian int32 (prompt_tokens + completion_tokens - 1 - routed_experts_start_len, MoE layers, experts "
+    "per token); in a stream only the last chunk of a sequence carries it",
     "anyOf": [
         {"type": "object", "required": ["meta_info"]},
         {"type": "array", "items": {"type": "object", "required": ["meta_info"]}},
@@ -62,8 +65,9 @@ GENERATE_RESPONSES: Responses = {
     400: {
         "description": "The body is not JSON or breaks the schema (`SchemaError`), or cannot be served as sent: no "
         "prompt, token ids outside the vocabulary, too long for the context or the KV cache, bad sampling "
-        "parameters, a rid already in flight, an unsupported field, a malformed X-Miles-Min-Weight-Version "
-        "(`Error`, with SGLang's `error.message`)",
+        "parameters, a routed_experts_start_len outside [0, prompt length] with return_routed_experts, a rid "
+        "already in flight, an unsupported field, a malformed X-Miles-Min-Weight-Version (`Error`, with SGLang's "
+        "`error.message`)",
         "content": {"application/json": {"schema": {"anyOf": [_ERROR_REF, _SCHEMA_ERROR_REF]}}},
     },
     409: {
@@ -73,11 +77,14 @@ GENERATE_RESPONSES: Responses = {
 }
 GENERATE_EXAMPLES: dict[str, Any] = {
     "tokens": {
-        "summary": "Token ids in, 8 tokens out, with their logprobs",
+        "summary": "Token ids in, 8 tokens out, with their logprobs and (MoE model, --enable-return-routed-experts) "
+        "the experts of positions 3 to 9",
         "value": {
             "input_ids": [1, 2, 3],
             "sampling_params": {"max_new_tokens": 8, "temperature": 0},
             "return_logprob": True,
+            "return_routed_experts": True,
+            "routed_experts_start_len": 3,
         },
     },
     "streamed": {

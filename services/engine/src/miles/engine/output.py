@@ -5,11 +5,13 @@ output_ids and logprob lists are cumulative in every stream chunk, `finish_reaso
 and `e2e_latency` appears on the last one. `output_ids` include a stop token; `text` does not (unless
 `no_stop_trim`), and stops before a matched stop string. Logprob entries are 3-element lists
 `[logprob, token_id, text or null]`. A sequence aborted while still queued reports the reduced meta_info SGLang
-sends then (no prompt_tokens / cached_tokens).
+sends then (no prompt_tokens / cached_tokens). `routed_experts` (MoE, when asked for and enabled) is base64 of
+little-endian int32 and appears on the last chunk only, as SGLang sends it.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 from typing import Any
@@ -45,6 +47,7 @@ class ResponseBuilder:
         self.cached_tokens: int | None = None
         self.finish: FinishReason | None = None
         self.weight_version = "default"
+        self.routed_experts_b64: str | None = None
         self._e2e_latency_s: float | None = None
 
     @property
@@ -59,6 +62,8 @@ class ResponseBuilder:
         if update.input_logprobs is not None:
             self.input_logprobs = update.input_logprobs
         self.weight_version = update.weight_version
+        if update.routed_experts is not None:
+            self.routed_experts_b64 = base64.b64encode(update.routed_experts).decode("ascii")
         if update.finish is not None:
             self.finish = update.finish
             self._e2e_latency_s = time.monotonic() - self._arrival_time_s
@@ -83,6 +88,8 @@ class ResponseBuilder:
             meta["e2e_latency"] = self._e2e_latency_s
         if self.options.return_logprob:
             self._add_logprobs(meta)
+        if self.routed_experts_b64 is not None:
+            meta["routed_experts"] = self.routed_experts_b64
         response: dict[str, Any] = {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}
         if self._return_prompt_token_ids:
             response["prompt_token_ids"] = list(self.prompt_ids)

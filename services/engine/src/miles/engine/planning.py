@@ -3,8 +3,8 @@
 Batch rules (SGLang's `GenerateReqInput`): `text` str / `input_ids` list of ints is one prompt, a list of them a
 batch; scalar options apply to every item, lists must have the batch length; a string rid becomes
 `rid_0 .. rid_{N-1}` for a batch; `n > 1` turns each prompt into n samples with fresh uuid rids, flattened
-prompt-major, after a prefill-only warm-up of the prompt. Every error raises BadRequestError with SGLang's
-message where SGLang has one.
+prompt-major, after a prefill-only warm-up of the prompt. `return_routed_experts` and `routed_experts_start_len`
+apply to every item. Every error raises BadRequestError with SGLang's message where SGLang has one.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class PlannedSequence:
     logprobs: LogprobOptions
     max_new_tokens: int
     namespace: str | None
+    routed_experts_start_len: int | None = None
+    """Return the routing of positions [this, seqlen - 1) (None: not asked for, or the engine does not record it)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class Limits:
     max_sequences_per_request: int
     """Most sequences (prompts x n) one request may ask for: the engine's max_running_requests. A miles bound
     (SGLang has none): without it one request could make the engine plan millions of sequences."""
+    return_routed_experts: bool = False
+    """--enable-return-routed-experts: requests asking for routed experts get them (else they are served without)."""
 
 
 def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Limits) -> GeneratePlan:
@@ -68,9 +72,14 @@ def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Li
     for index, prompt in enumerate(prompts):
         _check_prompt(prompt, options[index], limits)
         max_new = _max_new_tokens(samplings[index], len(prompt), limits)
+        routing_start = _routed_experts_start(request, len(prompt), limits)
         for _ in range(num_samples):
             rid = rids[index] if num_samples == 1 else uuid.uuid4().hex
-            sequences.append(PlannedSequence(rid, prompt, samplings[index], options[index], max_new, namespaces[index]))
+            sequences.append(
+                PlannedSequence(
+                    rid, prompt, samplings[index], options[index], max_new, namespaces[index], routing_start
+                )
+            )
     for params in samplings:
         for pattern in params.stop_regex:
             try:
@@ -170,6 +179,25 @@ def _check_prompt(prompt: list[int], options: LogprobOptions, limits: Limits) ->
         raise BadRequestError(
             f"logprob_start_len ({options.logprob_start_len}) is larger than the input length ({len(prompt)})."
         )
+
+
+def _routed_experts_start(request: GenerateRequest, num_prompt_tokens: int, limits: Limits) -> int | None:
+    """SGLang's check (its scheduler's, with its messages: the f-string `=` renderings included), made whenever
+    routed experts are asked for, even when the engine does not record them."""
+    if not request.return_routed_experts:
+        return None
+    start = request.routed_experts_start_len
+    if start < 0:
+        raise BadRequestError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > num_prompt_tokens:
+        raise BadRequestError(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={num_prompt_tokens}. Please use a smaller routed_experts_start_len."
+        )
+    return start if limits.return_routed_experts else None
 
 
 def _max_new_tokens(params: SamplingParams, num_prompt_tokens: int, limits: Limits) -> int:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, WithJsonSchema
 
+from miles.common.contracts.engine_control import EnginePauseMode
 from miles.engine.weights import FLOAT_DTYPE_BYTES, TENSOR_LOAD_FORMATS
 
 
@@ -104,12 +105,23 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_prompt_token_ids: bool = False
-    return_routed_experts: bool = False
-    """Accepted for compatibility; this engine serves no MoE model, so nothing is returned."""
+    return_routed_experts: bool = Field(
+        default=False,
+        description="MoE routing replay (R3). With --enable-return-routed-experts the last response (or stream "
+        "chunk) of each sequence carries `meta_info.routed_experts`: base64 of little-endian int32 shaped "
+        "(prompt_tokens + completion_tokens - 1 - routed_experts_start_len, MoE layers, experts per token), the "
+        "experts each position was routed to when it was fed. Without the flag nothing is returned (as SGLang)",
+    )
+    routed_experts_start_len: int = Field(
+        default=0,
+        description="First position whose routing `return_routed_experts` returns, at most the prompt length (else "
+        "400 with SGLang's message); only checked when routed experts are asked for",
+        json_schema_extra={"minimum": 0},
+    )
     extra_key: str | list[str] | None = None
     """Cache namespace: sequences with different extra keys never share cached prefixes."""
     min_weight_version: int | None = None
-    """miles extension (DESIGN.md §4.4): refuse with a retryable 409 unless the engine serves at least this
+    """miles extension (docs/architecture.md §4.4): refuse with a retryable 409 unless the engine serves at least this
     weight version. Also read from the X-Miles-Min-Weight-Version header."""
     session_params: Annotated[dict[str, Any] | None, _NOT_SUPPORTED] = None
     image_data: Annotated[Any, _NOT_SUPPORTED] = None
@@ -124,7 +136,7 @@ class AbortRequestBody(_Body):
 
 
 class PauseGenerationBody(_Body):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: EnginePauseMode = "abort"
 
 
 class ContinueGenerationBody(_Body):

@@ -195,6 +195,8 @@ class SeqUpdate:
     input_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     finish: FinishReason | None = None
     weight_version: str = "default"
+    routed_experts: bytes | None = None
+    """On the finishing update of a sequence that asked for them: little-endian int32 (rows, MoE layers, top-k)."""
 
 
 @dataclass(eq=False)
@@ -214,6 +216,8 @@ class Sequence:
     arrival_time_s: float = 0.0
     internal: bool = False
     namespace: str | None = None
+    routed_experts_start_len: int | None = None
+    """Report the routing of positions [this, seqlen - 1) when the sequence ends (None: not asked for)."""
     rng: random.Random = field(default_factory=random.Random)
     output_ids: list[int] = field(default_factory=list)
     state: str = "new"

@@ -2,7 +2,8 @@
 
 A runner turns a batch of `ForwardItem`s (new tokens of several sequences) into `ForwardResult`s: the next token
 sampled for each sequence that asks, its logprobs, and the logprobs of prompt tokens when asked. It also owns
-the sequences' KV storage (opaque to the scheduler) and weight loading:
+the sequences' KV storage (opaque to the scheduler), the experts each fed token was routed to (MoE models) and
+weight loading:
 
 - `TorchRunner` (torch_runner.py): the real transformer from miles.model;
 - `FakeRunner` (fake_runner.py): a deterministic hash-based sampler with a configurable cost per token.
@@ -57,6 +58,12 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    num_moe_layers: int = 0
+    """Sparse (MoE) decoder layers: the layer axis of routed-expert arrays (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to per MoE layer (top-k): the last axis of routed-expert arrays."""
+    num_experts: int = 0
+    """Routed experts per MoE layer: expert ids lie in [0, num_experts)."""
 
 
 class Runner(Protocol):
@@ -74,6 +81,12 @@ class Runner(Protocol):
         """A copy of positions [start, end) for the prefix cache (a KVBlock, or None when nothing is stored)."""
 
     def forward(self, items: list[ForwardItem]) -> list[ForwardResult]: ...
+
+    def routed_experts(self, seq: Sequence, start: int, end: int) -> bytes:
+        """The experts positions [start, end) of `seq` were routed to when they were fed through the model, as
+        little-endian int32 of shape (end - start, num_moe_layers, num_experts_per_tok) (SGLang's
+        `routed_experts` before base64); every position below `end` has been fed. Scheduler thread, before the
+        sequence's KV is released."""
 
     def prepare_weights_from_disk(self, model_path: str) -> Any:
         """Read and validate a checkpoint directory (off the scheduler thread); raises WeightUpdateError."""

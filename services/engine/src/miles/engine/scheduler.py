@@ -14,6 +14,10 @@ Pause modes: `abort` answers every in-flight sequence with an abort; `retract` m
 the queue and frees their KV (re-prefilled on continue, cached_tokens not recounted); `in_place` just stops
 stepping. While paused, new sequences queue and wait. A weight update waits for the sequences that arrived
 before it to finish (new ones queue behind it) unless generation is paused, then it applies at once.
+
+Routed experts (MoE, `return_routed_experts`): a sequence that ends while holding KV (finished or aborted while
+running) reports positions [routed_experts_start_len, seqlen - 1), read from the runner before its KV is
+released; one aborted in the queue reports none, as SGLang's waiting-queue aborts carry none.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from miles.common.contracts.engine_control import ENGINE_PAUSE_MODES
 from miles.engine.metrics import EngineMetrics
 from miles.engine.radix_cache import RadixCache, cached_tokens_limit
 from miles.engine.requests import FinishReason, LoadSnapshot, Sequence, SeqUpdate, TokenLogprobs
@@ -37,7 +42,6 @@ from miles.engine.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass
@@ -122,7 +126,7 @@ class Scheduler:
         return self._call(lambda: self._abort_matching(matches))
 
     def pause(self, mode: str) -> Future[int]:
-        if mode not in PAUSE_MODES:
+        if mode not in ENGINE_PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}")
         return self._call(lambda: self._pause(mode))
 
@@ -312,6 +316,7 @@ class Scheduler:
         except Exception as exc:
             log.exception("model forward failed; failing the sequences of this step", extra={"kind": kind})
             for item in items:
+                item.seq.routed_experts_start_len = None  # its KV may be half written
                 reason = FinishReason("abort", message=f"internal error: {exc}", status_code=500)
                 self._finish(item.seq, reason, insert=False)
             return None
@@ -347,16 +352,27 @@ class Scheduler:
         new_entry: TokenLogprobs | None = None,
         insert: bool = True,
     ) -> None:
+        routed_experts = None
         if seq.state == "running":
+            routed_experts = self._routed_experts(seq)
             self._release(seq, insert=insert)
         elif seq.state == "waiting":
             self._waiting.remove(seq)
         seq.state = "finished"
         new_ids = () if new_entry is None else (new_entry.token_id,)
         new_entries = () if new_entry is None else (new_entry,)
-        seq.emit(SeqUpdate(new_ids, new_entries, cached, input_logprobs, reason, self._weight_version))
+        update = SeqUpdate(new_ids, new_entries, cached, input_logprobs, reason, self._weight_version, routed_experts)
+        seq.emit(update)
         if self._metrics is not None:
             self._metrics.observe_finish(seq, reason, time.monotonic())
+
+    def _routed_experts(self, seq: Sequence) -> bytes | None:
+        """SGLang's rows [start_len, seqlen - 1): every fed position (the last sampled token never is); no rows when
+        start_len >= seqlen - 1 (e.g. max_new_tokens 0 with start_len = prompt length)."""
+        start = seq.routed_experts_start_len
+        if start is None:
+            return None
+        return self._runner.routed_experts(seq, start, max(start, len(seq.prompt_ids) + len(seq.output_ids) - 1))
 
     def _release(self, seq: Sequence, *, insert: bool) -> None:
         """Give back a running sequence's KV: insert it into the cache (same epoch only), unlock, unreserve."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 
-from miles.common.auth import MIN_TOKEN_CHARS, check_token_setting
+from miles.common.auth import check_token_length, check_token_setting
 from miles.common.settings import ServiceSettings, service_config
 
 
@@ -61,6 +61,12 @@ class EngineSettings(ServiceSettings):
     disable_radix_cache: bool = False
     """Never reuse cached prefixes (cached_tokens is then always 0)."""
 
+    enable_return_routed_experts: bool = False
+    """SGLang's --enable-return-routed-experts (MoE routing replay, R3): a /generate with `return_routed_experts`
+    gets, in its final meta_info, the experts every token was routed to (`routed_experts`). Off: such requests are
+    served without them, as SGLang serves them. On with a model that has no MoE layers: the engine refuses to
+    start."""
+
     num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads for the fast path (0: torch's default)."""
 
@@ -101,8 +107,7 @@ class EngineSettings(ServiceSettings):
     def _check_keys(self) -> EngineSettings:
         api_key = self.api_key.get_secret_value()
         admin_key = self.admin_api_key.get_secret_value()
-        if api_key and len(api_key) < MIN_TOKEN_CHARS:
-            raise ValueError(f"api_key must have at least {MIN_TOKEN_CHARS} characters")
+        check_token_length(api_key, field="api_key")  # "" is allowed: it leaves the generation routes open
         # The key the control routes really need: SGLang falls back to the api key when no admin key is set.
         check_token_setting(admin_key or api_key, host=self.host, field="admin_api_key (or api_key)")
         return self

@@ -7,6 +7,10 @@ greedy; otherwise softmax(logits / T), filtered by top_k, top_p and min_p, sampl
 stream (seeded by sampling_seed when given). Reported logprobs are log_softmax(logits / T) before filtering
 (T = 1 for greedy), as SGLang reports them by default. In deterministic mode the same numbers come out for a
 token whatever it is batched with (miles.model.kernels).
+
+KV caches are `SequenceKV.for_config`: for a MoE model they also record the experts every fed token was routed
+to, and their exported blocks carry that routing into the radix cache and back into sequences that hit it, so
+`routed_experts` answers for cached prefixes exactly what a cold prefill computed.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ class TorchRunner:
             vocab_size=config.vocab_size,
             max_position_embeddings=config.max_position_embeddings,
             eos_token_ids=config.eos_token_ids,
+            num_moe_layers=config.num_moe_layers,
+            num_experts_per_tok=config.num_experts_per_tok,
+            num_experts=config.num_experts,
         )
         self.max_update_bytes = 8 * sum(p.numel() for p in self.model.parameters())
 
@@ -76,14 +83,18 @@ class TorchRunner:
                 block_logprobs(self.model, hidden[-1:], torch.ones(1), deterministic=self.deterministic)
 
     def new_kv(self, capacity: int, prefix_blocks: Seq[Any]) -> SequenceKV:
-        c = self.model.config
-        kv = SequenceKV(c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim)
+        kv = SequenceKV.for_config(self.model.config, capacity)
         kv.load_prefix(prefix_blocks)
         return kv
 
     def export_kv(self, kv: Any, start: int, end: int) -> KVBlock:
         assert isinstance(kv, SequenceKV)
         return kv.export(start, end)
+
+    def routed_experts(self, seq: Sequence, start: int, end: int) -> bytes:
+        kv = seq.kv
+        assert isinstance(kv, SequenceKV)
+        return kv.routed_experts(start, end).numpy().astype("<i4", copy=False).tobytes()
 
     def forward(self, items: list[ForwardItem]) -> list[ForwardResult]:
         with torch.inference_mode():
