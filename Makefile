@@ -7,20 +7,39 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints.txt
-PACKAGES := libs/miles-common libs/miles-model $(sort $(wildcard services/*))
-# mypy --strict runs on the shared libraries and every service.
-MYPY_TARGETS := $(filter-out %/proto,$(wildcard libs/*/src/miles/* services/*/src/miles/*))
+PACKAGES := libs/miles-common libs/miles-model $(sort $(wildcard services/*)) cli
+# mypy --strict runs on the shared libraries, every service and the CLI.
+MYPY_TARGETS := $(filter-out %/proto,$(wildcard libs/*/src/miles/* services/*/src/miles/* cli/src/miles/*))
 empty :=
 space := $(empty) $(empty)
-MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src))
+MYPY_PATH := $(subst $(space),:,$(wildcard libs/*/src services/*/src cli/src))
 PYTEST_ARGS ?=
+# make test and its subsets run on pytest-xdist: TEST_WORKERS processes (0: one process, e.g. for pdb). Measured
+# on 2 cores: 4 workers for the whole suite (many tests wait on the processes they start), 2 for the process-free
+# tests (CPU-bound: more workers only add collection). --dist loadfile: a test file runs on one worker, so its
+# module-scoped services start once.
+TEST_WORKERS ?= 4
+UNIT_WORKERS ?= 2
+xdist = $(if $(filter 0,$(1)),-p no:xdist,-n $(1) --dist loadfile)
+XDIST := $(call xdist,$(TEST_WORKERS))
+# The tests that start no process (the plugin of miles.common.testing keeps these markers honest).
+UNIT_TESTS := not integration and not e2e and not slow
 
-.PHONY: help setup venv install protos tools redis-check sandbox-check test chart-test chart-settings chart-docs e2e-kind lint format lock run chaos bench tiny-model clean
+.PHONY: help setup venv install protos tools redis-check sandbox-check test test-unit test-common test-model test-cli \
+	test-chart test-e2e chart-test chart-settings chart-docs e2e-kind lint mypy format pre-commit-install lock run \
+	chaos bench tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
-	@echo "make test    unit + integration + e2e + chart tests"
-	@echo "make lint    ruff + mypy --strict"
+	@echo "make test    unit + integration + e2e + chart tests, in parallel (TEST_WORKERS=4); prints the slowest"
+	@echo "make test-unit     the tests that start no process (no Redis, no services, no helm): ~1-2 minutes"
+	@echo "make test-<service>  one service's tests, services/<service>/tests (make test-buffer, test-engine, ...)"
+	@echo "make test-common, test-model, test-cli, test-chart, test-e2e: libs/miles-common, libs/miles-model, cli,"
+	@echo "             the Helm chart (= chart-test), the cross-service tests of tests/"
+	@echo "             (PYTEST_ARGS='-k name -x' narrows any of them; TEST_WORKERS=0 runs in one process,"
+	@echo "             UNIT_WORKERS=0 for test-unit)"
+	@echo "make lint    ruff + mypy --strict (make mypy: mypy alone)"
+	@echo "make pre-commit-install  the git pre-commit hook of .pre-commit-config.yaml (ruff, mypy, file hygiene)"
 	@echo "make run     the whole platform locally with a demo job"
 	@echo "make bench   every benchmark (bench-<name> runs one)"
 	@echo "make lock    re-pin requirements/constraints.txt from .venv after a dependency change"
@@ -55,7 +74,29 @@ redis-check: $(PY)
 	@$(PY) -c "from miles.common.testing import find_redis_server_binary as f; print('redis-server:', f())"
 
 test:
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
+
+test-unit:
+	$(PY) -m pytest $(call xdist,$(UNIT_WORKERS)) -m "$(UNIT_TESTS)" $(PYTEST_ARGS)
+
+test-common:
+	$(PY) -m pytest $(XDIST) libs/miles-common/tests $(PYTEST_ARGS)
+
+test-model:
+	$(PY) -m pytest $(XDIST) libs/miles-model/tests $(PYTEST_ARGS)
+
+test-cli:
+	$(PY) -m pytest $(XDIST) cli/tests $(PYTEST_ARGS)
+
+test-chart: chart-test
+
+test-e2e:
+	$(PY) -m pytest $(XDIST) tests $(PYTEST_ARGS)
+
+# make test-<service>: services/<service>/tests.
+test-%:
+	@test -d services/$*/tests || { echo "no services/$*/tests; services: $(notdir $(wildcard services/*))" >&2; exit 2; }
+	$(PY) -m pytest $(XDIST) services/$*/tests $(PYTEST_ARGS)
 
 # Rewrite the generated settings blocks of helm/miles/values.yaml from the services' settings classes.
 chart-settings:
@@ -63,7 +104,7 @@ chart-settings:
 
 # The Helm chart alone: helm lint, rendering with every values file, Kubernetes schema validation, policy checks.
 chart-test:
-	$(PY) -m pytest helm $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) helm $(PYTEST_ARGS)
 
 # helm/miles/README.md from README.md.gotmpl and the values.yaml comments (settings blocks synced first).
 chart-docs: chart-settings
@@ -75,7 +116,15 @@ e2e-kind:
 
 lint:
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check --extend-exclude '*.md' .
+	$(MAKE) --no-print-directory mypy
+
+mypy:
 	MYPYPATH=$(MYPY_PATH) $(VENV)/bin/mypy $(MYPY_TARGETS)
+
+# The hook runs .pre-commit-config.yaml's local hooks with the tools of .venv (make setup first).
+pre-commit-install: $(PY)
+	$(VENV)/bin/pre-commit install
 
 format:
 	$(VENV)/bin/ruff check --fix .

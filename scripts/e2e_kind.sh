@@ -47,7 +47,7 @@ fi
 if [[ ${SKIP_BUILD:-0} != 1 ]]; then
   for service in "${SERVICES[@]}"; do
     echo "== image miles-$service:$TAG"
-    docker build -q -f "services/$service/Dockerfile" -t "miles-$service:$TAG" .
+    docker build -q -f Dockerfile --build-arg SERVICE="$service" -t "miles-$service:$TAG" .
     kind load docker-image --name "$CLUSTER" "miles-$service:$TAG"
   done
 fi

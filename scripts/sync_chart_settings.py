@@ -1,9 +1,9 @@
 """Mirror every service's settings class into helm/miles/values.yaml (`<component>.settings`).
 
-STYLE.md: one typed settings class per service, its fields mirrored in the chart with the same names. This
-script rewrites the block between the `# BEGIN generated` and `# END generated` markers of each component's
-`settings:` with every field (default value and docstring), except those the chart sets itself (host, ports,
-Redis URL, secrets). `--check` exits 1 when values.yaml is out of date; a chart test runs it.
+CONTRIBUTING.md (how we write code): one typed settings class per service, its fields mirrored in the chart with
+the same names. This script rewrites the block between the `# BEGIN generated` and `# END generated` markers of
+each component's `settings:` with every field (default value and docstring), except those the chart sets itself
+(host, ports, Redis URL, secrets). `--check` exits 1 when values.yaml is out of date; a chart test runs it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The workspace keeps the shape DESIGN.md §2 and §6 give it: one distribution per service, pinned, torch only
-where it is needed, a console entry point, a README, a non-root Dockerfile, and tests."""
+"""The workspace keeps the shape docs/architecture.md §2 and §6 give it: one distribution per service, pinned, torch
+only where it is needed, a console entry point, a README, a non-root Dockerfile, and tests."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -12,6 +15,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVICES = sorted(path.parent for path in REPO_ROOT.glob("services/*/pyproject.toml"))
 LIBS = sorted(path.parent for path in REPO_ROOT.glob("libs/*/pyproject.toml"))
+CLI = REPO_ROOT / "cli"
+"""The `miles` command and `miles up`: a distribution, not a service (no image, no probes)."""
 TORCH_ALLOWED = {"miles-engine", "miles-trainer", "miles-weight-sync", "miles-model"}
 EXPECTED_SERVICES = {
     "controller",
@@ -36,7 +41,7 @@ def test_every_service_of_the_design_has_a_distribution() -> None:
     assert {path.name for path in SERVICES} == EXPECTED_SERVICES
 
 
-@pytest.mark.parametrize("directory", SERVICES + LIBS, ids=lambda path: path.name)
+@pytest.mark.parametrize("directory", [*SERVICES, *LIBS, CLI], ids=lambda path: path.name)
 def test_direct_dependencies_are_pinned(directory: Path) -> None:
     project = load_project(directory)
     dependencies = list(project.get("dependencies", []))  # type: ignore[call-overload]
@@ -46,7 +51,7 @@ def test_direct_dependencies_are_pinned(directory: Path) -> None:
     assert unpinned == [], f"{directory.name}: pin with == : {unpinned}"
 
 
-@pytest.mark.parametrize("directory", SERVICES + LIBS, ids=lambda path: path.name)
+@pytest.mark.parametrize("directory", [*SERVICES, *LIBS, CLI], ids=lambda path: path.name)
 def test_only_engine_trainer_weightsync_and_model_depend_on_torch(directory: Path) -> None:
     project = load_project(directory)
     names = {re.split(r"[=<>\[;]", dep)[0].strip().lower() for dep in project.get("dependencies", [])}  # type: ignore[attr-defined]
@@ -57,18 +62,61 @@ def test_only_engine_trainer_weightsync_and_model_depend_on_torch(directory: Pat
 
 
 @pytest.mark.parametrize("directory", SERVICES, ids=lambda path: path.name)
-def test_service_has_entry_point_readme_dockerfile_and_tests(directory: Path) -> None:
+def test_service_has_entry_point_readme_and_tests(directory: Path) -> None:
     project = load_project(directory)
     scripts = dict(project.get("scripts", {}))  # type: ignore[call-overload]
     assert f"miles-{directory.name}" in scripts
     readme = (directory / "README.md").read_text()
     assert "**Owns**" in readme
     assert "**Does not own**" in readme
-    dockerfile = (directory / "Dockerfile").read_text()
+    assert list((directory / "tests").glob("test_*.py")), "every service has tests"
+
+
+def test_cli_has_the_miles_command_readme_and_tests() -> None:
+    project = load_project(CLI)
+    assert project["name"] == "miles-cli"
+    assert "miles" in dict(project.get("scripts", {}))  # type: ignore[call-overload]
+    readme = (CLI / "README.md").read_text()
+    assert "**Owns**" in readme and "**Does not own**" in readme
+    assert list((CLI / "tests").glob("test_*.py"))
+
+
+def test_one_parametrised_dockerfile_runs_as_a_non_root_user() -> None:
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert not list(REPO_ROOT.glob("services/*/Dockerfile")), "one Dockerfile at the root, --build-arg SERVICE=..."
+    assert re.search(r"^ARG SERVICE\b", dockerfile, re.MULTILINE)
+    assert re.search(r"^ARG PYTHON_IMAGE=python:[0-9.]+-slim$", dockerfile, re.MULTILINE)
     user_lines = [line for line in dockerfile.splitlines() if line.startswith("USER ")]
     assert user_lines and user_lines[-1].split()[1] not in ("root", "0"), "the image must run as a non-root user"
-    assert "slim" in dockerfile.split("\n", 3)[-1]
-    assert list((directory / "tests").glob("test_*.py")), "every service has tests"
+    assert re.search(r"^FROM svc-\$\{SERVICE\}$", dockerfile, re.MULTILINE)
+    assert re.search(r"^ENV MILES_IMAGE_SERVICE=\$\{SERVICE\}$", dockerfile, re.MULTILINE)
+    assert 'exec \\"miles-$MILES_IMAGE_SERVICE\\"' in dockerfile.split("\nENTRYPOINT ", 1)[1], "the console script"
+
+
+@pytest.mark.parametrize("directory", SERVICES, ids=lambda path: path.name)
+def test_the_dockerfile_builds_every_service(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each service has its stage (bound to every interface, its ports exposed), and the install step's own code,
+    run here, finds the service's pyproject, the libraries and every miles package it depends on."""
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)
+    stage = [text for text in stages if text.startswith(f"runtime AS svc-{directory.name}\n")]
+    assert len(stage) == 1, f"no stage `FROM runtime AS svc-{directory.name}` in the Dockerfile"
+    assert re.search(r"^ENV MILES_[A-Z]+_HOST=0\.0\.0\.0\b", stage[0], re.MULTILINE), "the service binds 0.0.0.0"
+    assert re.search(r"^EXPOSE [0-9]+", stage[0], re.MULTILINE)
+    closure = re.search(r"<<'PY'\n(.*?)\nPY\n", dockerfile, re.DOTALL)
+    assert closure is not None, "the install step's package list (python - <<'PY' ... PY)"
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(sys, "argv", ["-", directory.name])
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(compile(closure.group(1), "Dockerfile", "exec"), {"__name__": "__main__"})
+    packages = {REPO_ROOT / line for line in output.getvalue().split()}
+    project = load_project(directory)
+    wanted = {re.split(r"[=<>\[;]", dep)[0].strip() for dep in project.get("dependencies", [])}  # type: ignore[attr-defined]
+    names = {str(load_project(package)["name"]) for package in packages}
+    assert directory in packages and REPO_ROOT / "libs" / "miles-common" in packages
+    assert {name for name in wanted if name.startswith("miles-")} <= names
+    assert f"miles-{directory.name}" in dict(project.get("scripts", {}))  # type: ignore[call-overload]
 
 
 def test_protos_are_versioned_and_enums_start_unspecified() -> None:

@@ -1,5 +1,5 @@
 {{/*
-The network flows of DESIGN.md §1, as data: who may open connections to whom, on which named port ("any": every
+The network flows of docs/architecture.md §1, as data: who may open connections to whom, on which named port ("any": every
 port, for torch.distributed, whose NCCL/gloo connections use ephemeral ports beyond the rendezvous port).
 "perJob" flows stay inside one job (the per-job NetworkPolicy enforces that); the others are platform-wide.
 NetworkPolicies (shared and per job) are generated from this list; tests compare it with the design.

@@ -33,8 +33,8 @@ EXAMPLE_JOB = JobTemplateParams(
 )
 
 # The prometheus-operator CRs the chart renders, checked against the fields of their CRDs (monitoring.coreos.com/v1)
-# that the chart uses: no CRD schemas ship offline (platform-notes), so these are written from the operator's API
-# reference and refuse unknown fields where the chart sets them.
+# that the chart uses: no CRD schemas ship offline (kubernetes-validate bundles core kinds only), so these are
+# written from the operator's API reference and refuse unknown fields where the chart sets them.
 _RELABEL = {
     "type": "object",
     "additionalProperties": False,

@@ -355,6 +355,7 @@ def test_a_dashboard_querying_an_unexported_metric_fails(
     ]
 
 
+@pytest.mark.integration  # helm
 def test_the_cpu_engine_exports_every_sglang_name_the_dashboards_query(render: Renderer) -> None:
     """Dashboards read SGLang's names; the CPU engine exports the same ones, so the GPU-less demo fills them."""
     queried = {name for _, expr in shipped_queries(render(["ci-values.yaml"])) for name in metric_names(expr)}

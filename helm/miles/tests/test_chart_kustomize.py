@@ -18,6 +18,8 @@ import yaml
 from miles.common.testing.helm import by_kind, helm_binary
 from miles.controller.job_templates import JobTemplateParams, instantiate_job_templates
 
+pytestmark = pytest.mark.integration  # runs helm and kubectl kustomize
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 K8S_DIR = REPO_ROOT / "k8s"
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume"}

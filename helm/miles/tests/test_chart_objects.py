@@ -13,6 +13,8 @@ import pytest
 from miles.common.testing.helm import by_kind, run_helm
 from miles.controller.job_templates import JobTemplateParams
 
+pytestmark = pytest.mark.integration  # runs helm
+
 Renderer = Callable[..., list[dict[str, Any]]]
 Objects = Callable[..., list[dict[str, Any]]]
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")

@@ -1,4 +1,4 @@
-"""NetworkPolicies allow exactly the flows of DESIGN.md §1, RBAC is least privilege, bad values fail clearly,
+"""NetworkPolicies allow exactly the flows of docs/architecture.md §1, RBAC is least privilege, bad values fail clearly,
 and values mirror each service's settings class."""
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import yaml
 
 from miles.common.testing.helm import by_kind, render_chart
 
+pytestmark = pytest.mark.integration  # runs helm
+
 Renderer = Callable[..., list[dict[str, Any]]]
 Objects = Callable[..., list[dict[str, Any]]]
 
-# (from, to, named port): the designed flows (DESIGN.md §1, weight-sync topology of services/weight-sync/README.md).
+# (from, to, named port): the designed flows (docs/architecture.md §1, weight-sync topology of
+# services/weight-sync/README.md).
 # "*" marks flows that must stay inside one job; "any" = every port (torch.distributed's ephemeral ports).
 DESIGNED_FLOWS = {
     ("rollout-worker", "session-server", "http"),

@@ -10,7 +10,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.integration  # runs helm and scripts/chart_docs.py
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "chart_docs.py"
 

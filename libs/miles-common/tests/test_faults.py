@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # python subprocesses
+
 SCRIPT = """
 from miles.common.faults import crash_point
 for key in range(3):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import redis
 
 from miles.common.testing import RedisServer, free_port
+
+pytestmark = pytest.mark.integration  # real redis-servers
 
 
 def test_redis_fixture_is_a_real_server(redis_url: str) -> None:

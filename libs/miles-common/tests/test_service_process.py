@@ -8,6 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # python subprocesses
+
 STARTER = """
 import sys, time
 from pathlib import Path
