@@ -46,6 +46,8 @@ INFRASTRUCTURE_REASONS = frozenset({"session_unavailable", "samples_unavailable"
 """Episode endings that say nothing about the task: the platform could not run the episode."""
 OUTAGE_BACKOFF_S = (5.0, 60.0)
 """First and largest pause of new episodes after a group failed for infrastructure reasons."""
+RELEASE_TIMEOUT_S = 5.0
+"""How long shutdown tries to hand this worker's leases back before leaving them to expire."""
 ReapFn = Callable[[int], Awaitable[int]]
 """Deletes the sessions a dead worker left behind for a reclaimed seq."""
 
@@ -135,8 +137,11 @@ class RolloutScheduler:
         for task in [*self._episodes, *self._finishing]:
             task.cancel()
         await asyncio.gather(*self._episodes, *self._finishing, return_exceptions=True)
-        with contextlib.suppress(Exception):  # Redis may be gone at shutdown; leases then expire by themselves
-            await self.cursor.release_worker(self.worker_id)
+        # Redis may be gone or hanging at shutdown: the leases then expire by themselves, and a stop must stay bounded
+        # (a supervisor waits for it).
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                await self.cursor.release_worker(self.worker_id)
 
     async def _fill_slots(self) -> None:
         while True:
