@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -139,3 +140,22 @@ async def test_reflection_lists_registered_services(echo_server: GrpcServer) -> 
         names = [service.name async for response in responses for service in response.list_services_response.service]
     assert ECHO_SERVICE in names
     assert "grpc.health.v1.Health" in names
+
+
+async def test_a_cancelled_status_of_a_task_being_cancelled_stays_a_cancellation() -> None:
+    cancelled = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "locally")
+    assert type(error_from_rpc_error(cancelled)) is errors.MilesError, "a CANCELLED nobody asked for is an error"
+    started = asyncio.Event()
+
+    async def translate_while_cancelled() -> errors.MilesError:
+        started.set()
+        # swallowed, as grpc does when it turns a cancellation into the CANCELLED status
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+        return error_from_rpc_error(cancelled)
+
+    task = asyncio.create_task(translate_while_cancelled())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -231,3 +231,27 @@ async def test_groups_the_platform_could_not_run_are_retried_not_lost(
     exported = scheduler.metrics.registry.exposition().decode()
     assert 'miles_rollout_groups_total{outcome="retried_unavailable"} 1.0' in exported
     assert 'miles_rollout_prompts_claimed_total{source="requeued"} 1.0' in exported
+
+
+async def test_a_stop_ends_even_when_a_helper_loop_swallows_its_cancellation(
+    make_spec: Callable[..., RolloutSpec], make_sample: Any, start_scheduler: Start, buffer: BufferClient, job_id: str
+) -> None:
+    await buffer.configure_job(job_id)
+    polls_cancelled: list[bool] = []
+
+    async def requeued_turning_cancellation_into_an_error() -> list[tuple[int, int]]:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # what a client library can do to a cancelled call
+            polls_cancelled.append(True)
+            raise RuntimeError("CANCELLED") from None
+        return []
+
+    spec = make_spec(num_prompts=2, n_samples_per_prompt=2)
+    scheduler, task = await start_scheduler(
+        spec, ScriptedEpisodes(make_sample), requeued=requeued_turning_cancellation_into_an_error
+    )
+    await wait_for(lambda: _true_when(scheduler.exhausted))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.done() and polls_cancelled == [True]

@@ -8,6 +8,7 @@ server raised, keeping its field and retry hint, so that client libraries raise 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -99,7 +100,13 @@ def create_channel(
 
 
 def error_from_rpc_error(error: grpc.aio.AioRpcError) -> MilesError:
-    """The MilesError a failed call stands for: the standard class for its status, with field and retry hint."""
+    """The MilesError a failed call stands for: the standard class for its status, with field and retry hint.
+
+    A call that failed CANCELLED because its task is being cancelled raises CancelledError instead: grpc can turn a
+    task's cancellation into that status, and a caller's retry loop would then swallow the stop."""
+    task = asyncio.current_task()
+    if error.code() == grpc.StatusCode.CANCELLED and task is not None and task.cancelling():
+        raise asyncio.CancelledError(error.details() or "cancelled")
     trailing = {key: value for key, value in (error.trailing_metadata() or ()) if isinstance(value, str)}
     error_class = error_class_for_grpc_status(error.code())
     retry_after = trailing.get("retry-after-s")

@@ -48,6 +48,10 @@ OUTAGE_BACKOFF_S = (5.0, 60.0)
 """First and largest pause of new episodes after a group failed for infrastructure reasons."""
 RELEASE_TIMEOUT_S = 5.0
 """How long shutdown tries to hand this worker's leases back before leaving them to expire."""
+STOP_WAIT_S = 10.0
+"""How long a stop waits for its cancelled episodes, pushes and helpers to end. A task still running then ignored
+its cancellation (a client library can turn it into an error a retry loop swallows) and is left behind, logged,
+because a supervisor waits for the stop."""
 ReapFn = Callable[[int], Awaitable[int]]
 """Deletes the sessions a dead worker left behind for a reclaimed seq."""
 
@@ -127,16 +131,12 @@ class RolloutScheduler:
         try:
             await self._fill_slots()
         finally:
-            for helper in helpers:
-                helper.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            await _cancel_and_wait(helpers, "helpers")
             await self.shutdown()
 
     async def shutdown(self) -> None:
         """Cancels in-flight episodes and pushes, then hands this worker's leases back for others to redo."""
-        for task in [*self._episodes, *self._finishing]:
-            task.cancel()
-        await asyncio.gather(*self._episodes, *self._finishing, return_exceptions=True)
+        await _cancel_and_wait([*self._episodes, *self._finishing], "episodes and pushes")
         # Redis may be gone or hanging at shutdown: the leases then expire by themselves, and a stop must stay bounded
         # (a supervisor waits for it).
         with contextlib.suppress(Exception):
@@ -298,7 +298,7 @@ class RolloutScheduler:
                 delay_s = min(delay_s * 2, 5.0)
 
     async def _heartbeat(self) -> None:
-        while True:
+        while not _cancel_requested():
             await asyncio.sleep(self.lease_s / 3)
             try:
                 lost = await self.cursor.extend(self.worker_id, self.open_seqs, self.lease_s)
@@ -310,7 +310,7 @@ class RolloutScheduler:
 
     async def _poll_requeued(self) -> None:
         assert self.requeued is not None
-        while True:
+        while not _cancel_requested():
             try:
                 for epoch, prompt_index in await self.requeued():
                     if 0 <= prompt_index < len(self.dataset):
@@ -318,3 +318,22 @@ class RolloutScheduler:
             except Exception:  # the buffer may be restarting; the next poll retries
                 log.warning("could not take requeued prompts from the buffer", exc_info=True)
             await asyncio.sleep(self.requeue_poll_interval_s)
+
+
+def _cancel_requested() -> bool:
+    """Whether the running task was asked to stop, even if the CancelledError was swallowed on its way up."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _cancel_and_wait(tasks: list[asyncio.Task[Any]], what: str) -> None:
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: a task that failed while stopping is no news
+    if pending:
+        log.error("tasks ignored their cancellation and are left behind", extra={"what": what, "num": len(pending)})
