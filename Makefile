@@ -24,6 +24,10 @@ xdist = $(if $(filter 0,$(1)),-p no:xdist,-n $(1) --dist loadfile)
 XDIST := $(call xdist,$(TEST_WORKERS))
 # The tests that start no process (the plugin of miles.common.testing keeps these markers honest).
 UNIT_TESTS := not integration and not e2e and not slow
+# Test runs hash strings alike in every process (the plugin sets it for the workers and subprocesses): the OpenAPI
+# fuzz runs generate the same requests every time.
+test chart-test: export PYTHONHASHSEED ?= 0
+test-%: export PYTHONHASHSEED ?= 0
 
 .PHONY: help setup venv install protos tools redis-check sandbox-check test test-unit test-common test-model test-cli \
 	test-chart test-e2e chart-test chart-settings chart-docs e2e-kind lint mypy format pre-commit-install lock run \

@@ -17,8 +17,11 @@ handlers run for real and the 401/403 answers are checked as well. Path paramete
 are sometimes replaced by ids of resources that exist (a session, a sandbox, a job), so that operations on a
 resource are reached past their 404 (operations that DELETE run last, so that the live resources serve the
 others first). Runs are derandomized (hypothesis's fixed seed; schemathesis may still order some choices by string
-hash, so PYTHONHASHSEED can vary a run a little) and not shrunk: a failure is reported with the request that found
-it, and every operation is run even when an earlier one fails.
+hash, so PYTHONHASHSEED can vary a run a little: test runs fix it, see pytest_plugin) and not shrunk: a failure is
+reported with the request that found it, and every operation is run even when an earlier one fails. They do not
+depend on the tests that ran before in the same process (pytest-xdist hands each worker other ones): hypothesis
+also draws literals of the "local" modules loaded so far, and a run takes them from every module of the installed
+`miles` packages instead (`repository_constants`), or from none (`seed_only_generation`).
 
 Limits: requests are independent (no stateful sequences beyond the live ids the caller provides), so state
 that only a sequence of calls reaches is not explored; the bound (`max_examples`) trades depth for CI time.
@@ -29,11 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -43,6 +49,8 @@ import schemathesis
 from fastapi import FastAPI
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import providers
+from hypothesis.internal.constants_ast import Constants, constants_from_module
 from schemathesis import GenerationMode
 from schemathesis.checks import CheckContext, CheckFunction, not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
@@ -55,6 +63,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+import miles
 from miles.common.serve import serve_async
 from miles.common.testing.ports import free_port
 
@@ -137,29 +146,55 @@ def fuzz_openapi(
             suppress_health_check=list(HealthCheck),
         )(run)
         try:
-            run()
+            with repository_constants():
+                run()
         except Exception as exc:  # e.g. the server went away: recorded, and the next operation still runs
             report.add_failure(label, type(exc).__name__, f"{type(exc).__name__}: {exc}")
     return report
 
 
-@contextlib.contextmanager
-def seed_only_generation() -> Iterator[None]:
-    """Opt-in: generated requests that depend on the seed only. Hypothesis also draws literals it finds in the local
-    modules the process has loaded ("local constants"), so a derandomized run sends other requests once other tests
-    have imported other code. Not the default of `fuzz_openapi`: some runs reach answers (e.g. a streamed turn) only
-    through those literals. Reaches into hypothesis internals, whose version requirements/constraints.txt pins."""
-    from hypothesis.internal.conjecture import providers
-    from hypothesis.internal.constants_ast import Constants
+_HYPOTHESIS_LOCAL_CONSTANTS = providers._get_local_constants
 
-    original = providers._get_local_constants
+
+@contextlib.contextmanager
+def _local_constants(constants: Callable[[], Constants]) -> Iterator[None]:
+    """Hypothesis's pool of "local constants" replaced by `constants()` (reaches into hypothesis internals, whose
+    version requirements/constraints.txt pins). Nothing changes when a caller replaced it already."""
+    if providers._get_local_constants is not _HYPOTHESIS_LOCAL_CONSTANTS:
+        yield
+        return
     providers.CONSTANTS_CACHE.cache.clear()
-    providers._get_local_constants = Constants
+    providers._get_local_constants = constants
     try:
         yield
     finally:
-        providers._get_local_constants = original
+        providers._get_local_constants = _HYPOTHESIS_LOCAL_CONSTANTS
         providers.CONSTANTS_CACHE.cache.clear()
+
+
+@functools.cache
+def _repository_constants() -> Constants:
+    pool = Constants()
+    for directory in sorted(miles.__path__):
+        for path in sorted(Path(directory).rglob("*.py")):
+            module = types.ModuleType(path.stem)
+            module.__file__ = str(path)
+            pool |= constants_from_module(module)  # cached by hypothesis under .hypothesis/constants
+    return pool
+
+
+def repository_constants() -> contextlib.AbstractContextManager[None]:
+    """The default of `fuzz_openapi`: hypothesis draws the literals of every module of the installed `miles`
+    packages (libs, services, cli; what a process that imported all of them would see), instead of those of the
+    modules this process happens to have loaded, which depend on the tests that ran before in it (in a parallel
+    run, on how pytest-xdist spread them). Some runs reach answers only through such literals."""
+    return _local_constants(_repository_constants)
+
+
+def seed_only_generation() -> contextlib.AbstractContextManager[None]:
+    """Opt-in: generated requests that depend on the seed only (no local constants at all). Applies to every
+    `fuzz_openapi` run inside it."""
+    return _local_constants(Constants)
 
 
 def ndjson_conformance(document: dict[str, Any]) -> CheckFunction:

@@ -12,7 +12,8 @@ marked integration, e2e or slow, so that the markers cannot drift.
 
 Parallel runs (pytest-xdist, make test): the session fixtures run once per worker, on free ports and in per-worker
 temporary directories; each worker gets its own slice of sandbox uids; every process computes with one OpenMP
-thread (OMP_NUM_THREADS=1 unless set); the workers run the files with slow, e2e and integration tests first.
+thread and hashes strings alike (OMP_NUM_THREADS=1, PYTHONHASHSEED=0 unless set); the workers run the files with
+slow, e2e and integration tests first.
 """
 
 from __future__ import annotations
@@ -45,17 +46,21 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS",)
-"""Set to 1 for the run (and so for the xdist workers and every process the tests start) unless already set."""
+RUN_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+"""Set for the run (and so for the xdist workers and every process the tests start) unless already set."""
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    # One OpenMP thread per process: a run starts many torch processes at once (xdist workers, engines, trainers)
-    # on a few cores, where the spinning threads of OpenMP's default (a thread per core in every process) slowed
-    # the heaviest tests tenfold. Before any test module imports torch; the workers inherit it.
-    for name in THREAD_VARIABLES:
-        os.environ.setdefault(name, "1")
+    # OMP_NUM_THREADS: one OpenMP thread per process. A run starts many torch processes at once (xdist workers,
+    # engines, trainers) on a few cores, where the spinning threads of OpenMP's default (a thread per core in every
+    # process) slowed the heaviest tests tenfold. Set before any test module imports torch.
+    # PYTHONHASHSEED: the OpenAPI fuzz runs (openapi_fuzz) are derandomized but schemathesis orders some choices by
+    # string hash: with a fixed seed every worker generates the same requests, run after run. It reaches the
+    # processes started from here on: the xdist workers and the tests' subprocesses (make test also sets it for
+    # the pytest process itself).
+    for name, value in RUN_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
 
 PROCESS_MARKERS = ("integration", "e2e", "slow")
