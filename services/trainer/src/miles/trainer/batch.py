@@ -19,10 +19,11 @@ from miles.proto.common.v1 import common_pb2
 
 REJECT_REASONS = (
     "empty_group",
-    "misaligned",  # with unknown_status and bad_spans: the shared contract's ProblemKind values
+    "misaligned",  # with unknown_status, bad_spans and bad_routing: the shared contract's ProblemKind values
     "unknown_status",
     "bad_loss_mask",
     "bad_spans",
+    "bad_routing",
     "token_out_of_range",
     "too_long",
     "non_finite",

@@ -3,10 +3,10 @@
 `sample_problem` is run where samples cross a service boundary: by the session server on each sample it sends
 (a problem there is its own bug), by the buffer on each pushed group (a problem is the producer's: 400), and by
 the trainer on each pulled group (it trusts no store: a problem nacks the group). It checks shape only — lengths,
-ranges, span layout, status — in O(number of spans), never per-token values, so the buffer can afford it on every
-push. What only one side can judge stays there: the buffer's group-level fields and reward, the trainer's
-per-token checks against its model (vocabulary, positions, finite logprobs), the session server's
-logprob-is-0.0-under-a-0-mask guarantee.
+ranges, span layout, status, the byte length of routing against the tokens (contracts.routing) — in O(number of
+spans), never per-token values, so the buffer can afford it on every push. What only one side can judge stays
+there: the buffer's group-level fields and reward, the trainer's per-token checks against its model (vocabulary,
+positions, finite logprobs, expert ids), the session server's logprob-is-0.0-under-a-0-mask guarantee.
 
 The function returns the first problem instead of raising, so that each service maps it to its own error
 (InvalidRequestError with a field path, BadGroupError with a reason label, a 500) and names the sample its way.
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from miles.common.contracts.routing import routing_problem
 from miles.proto.common.v1 import common_pb2
 
 TRAINABLE_STATUSES = frozenset({common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED})
@@ -25,7 +26,7 @@ TRAINABLE_STATUSES = frozenset({common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.S
 KNOWN_STATUSES = TRAINABLE_STATUSES | {common_pb2.SAMPLE_STATUS_ABORTED, common_pb2.SAMPLE_STATUS_FAILED}
 """Every status a sample may carry (UNSPECIFIED, i.e. unset, and unknown numbers are not)."""
 
-ProblemKind = Literal["misaligned", "unknown_status", "bad_spans"]
+ProblemKind = Literal["misaligned", "unknown_status", "bad_spans", "bad_routing"]
 """Bounded labels (the trainer uses them as its reject reasons and metric label values)."""
 
 
@@ -72,7 +73,11 @@ def sample_problem(sample: common_pb2.Sample) -> SampleProblem | None:
         )
     if sample.status not in KNOWN_STATUSES:
         return SampleProblem("unknown_status", "status", f"status {sample.status} is not a known SampleStatus")
-    return _span_problem(sample, num_response)
+    span_problem = _span_problem(sample, num_response)
+    if span_problem is not None:
+        return span_problem
+    routing = routing_problem(sample)
+    return SampleProblem("bad_routing", *routing) if routing is not None else None
 
 
 def _span_problem(sample: common_pb2.Sample, num_response_tokens: int) -> SampleProblem | None:
