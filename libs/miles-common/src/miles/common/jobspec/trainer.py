@@ -198,6 +198,15 @@ class TrainConfig(Section):
     discard, reason `zero_signal`) and keeps pulling until the batch holds batch_size_groups informative groups.
     Off: such groups are trained (their advantage is 0) and only counted."""
 
+    routing_replay: bool | None = None
+    """Rollout Routing Replay (R3), for mixture-of-experts models: the engine records the experts it routed each
+    token to, the samples carry them (`Sample.rollout_routed_experts`) and the trainer's forward uses them instead
+    of its own top-k choice (the router still gets its gradient, through the recorded experts' probabilities).
+    None (the default): on for MoE models. On, a group lacking routing is refused (nack, reason
+    `missing_routing`), never trained without it. `false`: the trainer routes by itself, and its logprobs drift
+    from the rollout's wherever a top-k choice flips (e.g. after a weight update in async mode). Dense models
+    have no routing; `true` with a dense model is refused at start."""
+
     micro_batch_max_tokens: int = Field(default=8192, ge=2)
     """Token budget of one micro-batch: sequences are packed (first-fit decreasing) up to this many tokens; a
     longer sequence runs alone."""
