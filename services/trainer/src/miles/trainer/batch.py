@@ -11,6 +11,7 @@ nack reason and the `miles_trainer_groups_rejected_total{reason}` counter).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,9 @@ class TrainSample:
     extra: dict[str, float] = field(default_factory=dict)
     span_versions: tuple[int, ...] = ()
     """The weight version of each generated span (what generated the response)."""
+    routed_experts: array[int] | None = None
+    """Routing replay (R3): the experts the engine routed each position to, flat int32 ids, row-major
+    [num_tokens - 1, num_moe_layers, top_k] (miles.common.contracts.routing); None when the job does not replay."""
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles.common.contracts.routing import RoutingShape
 from miles.common.jobspec.trainer import OptimizerConfig, TrainConfig
 from miles.trainer.batch import TrainSample
 
@@ -32,6 +33,9 @@ class TokenOutputs:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+    routing_agreement: torch.Tensor | None = None
+    """MoE with recorded routing only: per MoE layer, the fraction of the micro-batch's token positions whose own
+    router top-k set equals the recorded one (1.0 everywhere when nothing flipped), float32 [num_layers]."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class ModelShape:
 
     vocab_size: int
     max_positions: int
+    routing: RoutingShape | None = None
+    """The model's MoE routing shape (None for a dense model): what recorded routing must match."""
 
 
 class TrainBackend(abc.ABC):
