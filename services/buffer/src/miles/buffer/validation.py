@@ -1,9 +1,10 @@
 """Request validation of the buffer: every check names the offending field and runs before anything is stored.
 
-Checks are about shape (lengths, ranges, span layout, status: the Sample contract of miles.common.contracts.samples,
-the same check the session server and the trainer run), never per-token values: those would cost a Python-level
-pass over every token of every sample (milliseconds per group) and are the trainer's to judge (it nacks groups it
-cannot train on).
+Checks are about shape (lengths, ranges, span layout, status, routing byte length: the Sample contract of
+miles.common.contracts.samples, the same check the session server and the trainer run; then the group-level
+consistency of routing), never per-token values: those would cost a Python-level pass over every token of every
+sample (milliseconds per group) and are the trainer's to judge (it nacks groups it cannot train on; expert ids
+against its model included).
 
 Also summarises a valid group into the few numbers the store needs (staleness, sizes, filter facts), so that
 the Lua scripts never parse protobuf.
@@ -62,6 +63,54 @@ def _check_sample(sample: common_pb2.Sample, field: str, group_id: str) -> int:
     return min((span.weight_version for span in sample.weight_versions), default=-1)
 
 
+def _check_group_routing(samples: Sequence[common_pb2.Sample]) -> None:
+    """Routing (R3) is consistent across the group: every sample that has it has the same shape (num_layers,
+    top_k, dtype: one model produced the group), and either every trainable sample has it or none does. A mixed
+    group is a producer bug (routing lost for some episodes): the trainer would have to refuse it or train some
+    samples without replay. ABORTED/FAILED samples may lack it (they are not trained on). O(samples): compares
+    headers only; the byte lengths were checked per sample."""
+    reference_index = trainable_with = trainable_without = -1
+    for index, sample in enumerate(samples):
+        trainable = sample.status in TRAINABLE_STATUSES
+        if not sample.HasField("rollout_routed_experts"):
+            if trainable and trainable_without < 0:
+                trainable_without = index
+            continue
+        if trainable and trainable_with < 0:
+            trainable_with = index
+        if reference_index < 0:
+            reference_index = index
+        else:
+            _check_same_routing_shape(samples[reference_index], reference_index, sample, index)
+    if trainable_with >= 0 and trainable_without >= 0:
+        field = f"group.samples[{trainable_without}].rollout_routed_experts"
+        raise InvalidRequestError(
+            f"{field} is missing but group.samples[{trainable_with}] has routing: either every trainable "
+            "(COMPLETED/TRUNCATED) sample of a group carries routing or none does",
+            field=field,
+        )
+
+
+def _check_same_routing_shape(
+    reference: common_pb2.Sample, reference_index: int, sample: common_pb2.Sample, index: int
+) -> None:
+    expected = reference.rollout_routed_experts
+    routed = sample.rollout_routed_experts
+    differences = {
+        "num_layers": (routed.num_layers, expected.num_layers),
+        "top_k": (routed.top_k, expected.top_k),
+        "dtype": (common_pb2.RoutingDtype.Name(routed.dtype), common_pb2.RoutingDtype.Name(expected.dtype)),
+    }
+    for name, (value, wanted) in differences.items():
+        if value != wanted:
+            field = f"group.samples[{index}].rollout_routed_experts.{name}"
+            raise InvalidRequestError(
+                f"{field} is {value} but group.samples[{reference_index}] has {wanted}: every sample of a group "
+                "carries routing of the same shape (one model produced them)",
+                field=field,
+            )
+
+
 def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
     """Validates a pushed group (see PushGroupRequest in buffer.proto) and summarises it."""
     if not group.group_id:
@@ -82,6 +131,7 @@ def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
         num_tokens += len(sample.tokens)
         if sample.status in TRAINABLE_STATUSES:
             trainable_rewards.append(sample.reward)
+    _check_group_routing(group.samples)
     return GroupSummary(
         min_weight_version=min_version,
         num_samples=len(group.samples),
