@@ -105,6 +105,31 @@ def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3 tokenizer with a Qwen3-MoE config.json (the scripted engine's routing shape), no weights."""
+    folder = _write_qwen3_model_dir(tmp_path_factory.mktemp("models") / "qwen3-moe-tokenizer")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_hidden_layers=ScriptedEngine.ROUTING_LAYERS,
+        num_experts=ScriptedEngine.ROUTING_EXPERTS,
+        num_experts_per_tok=ScriptedEngine.ROUTING_TOP_K,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny Qwen3-MoE model (4 sparse layers, 8 experts, top-2, real Qwen3 tokenizer), built here."""
+    engine_tiny_model = pytest.importorskip("miles.engine.tiny_model")
+    return Path(engine_tiny_model.build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", moe=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny Qwen3 model (`make tiny-model`'s output when present, else built here)."""
     made = Path(__file__).resolve().parents[3] / ".miles" / "models" / "tiny-qwen3"
@@ -137,6 +162,7 @@ class _ThreadServer:
                 "output_ids": [e[1] for e in entries],
                 "logprobs": [e[0] for e in entries],
                 "cached_tokens": final["meta_info"].get("cached_tokens"),
+                "routed_experts": final["meta_info"].get("routed_experts"),
             }
         )
 
@@ -165,8 +191,13 @@ class ScriptedEngine(_ThreadServer):
     Used where the real tiny model cannot help: a random model never emits a tool call, an error status or a
     malformed body. Completion i is `script[i % len(script)]` encoded with the real Qwen3 tokenizer + <|im_end|>;
     the logprob of a token is a deterministic function of its position; cached_tokens is the longest prefix shared
-    with an earlier prompt (a radix cache's answer).
+    with an earlier prompt (a radix cache's answer). With `return_routed_experts` it answers routing as SGLang
+    does for a MoE model of ROUTING_LAYERS x ROUTING_TOP_K of ROUTING_EXPERTS experts (`routing_ids`: a function of
+    the tokens up to each position, so prefix-consistent like a real engine's); `routing_rows_delta` answers that
+    many rows more (negative: fewer), `omit_routing` none.
     """
+
+    ROUTING_LAYERS, ROUTING_TOP_K, ROUTING_EXPERTS = 4, 2, 8
 
     def __init__(self, codec: Any) -> None:
         super().__init__()
@@ -175,8 +206,32 @@ class ScriptedEngine(_ThreadServer):
         self.delta_stream = False
         self.fail_next: list[tuple[int, Any]] = []
         """(status, body) answered instead of the next generations, in order."""
+        self.routing_rows_delta = 0
+        self.omit_routing = False
         self._seen: list[list[int]] = []
         self._num_calls = 0
+
+    @classmethod
+    def routing_ids(cls, tokens: list[int], start: int, end: int) -> list[int]:
+        """Flat expert ids of positions [start, end): each position's from a running hash of the tokens up to it."""
+        ids: list[int] = []
+        running = 7
+        for position, token in enumerate(tokens[:end]):
+            running = (running * 1_000_003 + token + 1) % (1 << 61)
+            if position >= start:
+                for layer in range(cls.ROUTING_LAYERS):
+                    first = (running >> (3 * layer)) % cls.ROUTING_EXPERTS
+                    ids += [(first + k) % cls.ROUTING_EXPERTS for k in range(cls.ROUTING_TOP_K)]
+        return ids
+
+    def _routing(self, body: dict[str, Any], prompt: list[int], ids: list[int]) -> str:
+        import base64
+        from array import array
+
+        start = int(body.get("routed_experts_start_len", 0))
+        end = len(prompt) + len(ids) - 1 + self.routing_rows_delta
+        packed = array("i", self.routing_ids([*prompt, *ids, *([0] * max(0, self.routing_rows_delta))], start, end))
+        return base64.b64encode(packed.tobytes()).decode()
 
     @staticmethod
     def logprob(position: int) -> float:
@@ -232,13 +287,16 @@ class ScriptedEngine(_ThreadServer):
             if max_new is not None and len(ids) > max_new:
                 ids, finish = ids[:max_new], {"type": "length", "length": max_new}
             cached = self._cached(prompt)
-            self.record(prompt, self._body(prompt, ids, finish, cached))
+            final = self._body(prompt, ids, finish, cached)
+            if body.get("return_routed_experts") and not self.omit_routing:
+                final["meta_info"]["routed_experts"] = self._routing(body, prompt, ids)
+            self.record(prompt, final)
             if not body.get("stream"):
-                return JSONResponse(self._body(prompt, ids, finish, cached))
+                return JSONResponse(final)
 
             async def events() -> Any:
                 for n in range(1, len(ids) + 1):
-                    chunk = self._body(prompt, ids[:n], finish if n == len(ids) else None, cached)
+                    chunk = final if n == len(ids) else self._body(prompt, ids[:n], None, cached)
                     if self.delta_stream:
                         chunk["meta_info"]["output_token_logprobs"] = chunk["meta_info"]["output_token_logprobs"][-1:]
                         chunk["output_ids"] = ids[n - 1 : n]

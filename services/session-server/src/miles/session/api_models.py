@@ -87,6 +87,14 @@ class JobConfigBody(BaseModel):
         "plain text, so that typed or tool-returned `<|im_end|>` can never become a control token. Off: they are "
         "encoded as the tokens they spell (the vendor templates' behaviour)",
     )
+    record_routing: bool | None = Field(
+        default=None,
+        description="Rollout Routing Replay (R3): every turn asks the engine for its routed experts (only the "
+        "positions not stored yet), the session stores them packed and every sample carries "
+        "`rollout_routed_experts` (len(tokens) - 1 rows); the agent never sees them. None: on when the model at "
+        "model_path is MoE (config.json model_type qwen3_moe). true with a dense model is a 400 "
+        "(invalid_job_config, field record_routing). The job's engines must run with --enable-return-routed-experts",
+    )
 
     _sampling = field_validator("sampling_defaults")(check_sampling_keys)
 

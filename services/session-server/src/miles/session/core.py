@@ -39,6 +39,7 @@ from miles.session.errors import (
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry, SessionModel
 from miles.session.records import IdempotencyRecord, Json, ModelConfig, SessionMeta, SessionState, TurnRecord
+from miles.session.routing import assemble as assemble_routing
 from miles.session.samples import SampleData, build_samples
 from miles.session.settings import SessionSettings
 from miles.session.store import SessionStore
@@ -86,9 +87,22 @@ class SessionCore:
     # --- job configs ---------------------------------------------------------------------------------------
 
     async def put_job_config(self, job_id: str, body: JobConfigBody) -> ModelConfig:
-        """Validate (family known, tokenizer loads, kwargs allowed by the family) and store a job's model config."""
-        config = ModelConfig(**body.model_dump())
+        """Validate (family known, tokenizer loads, kwargs allowed by the family, routing only for a MoE model) and
+        store a job's model config, its record_routing resolved (None: on for a MoE model)."""
+        config = ModelConfig(**body.model_dump(exclude={"record_routing"}))
         await self._check_model(config)
+        files = await self.models.files(config.model_path)
+        record_routing = body.record_routing
+        if record_routing is None:
+            record_routing = files.routing_shape is not None
+        elif record_routing and files.routing_shape is None:
+            raise InvalidJobConfigError(
+                f"record_routing is true but the model at model_path {config.model_path!r} is not a MoE model "
+                f"(config.json model_type {files.model_type!r}; routing replay needs qwen3_moe with num_experts): "
+                "omit record_routing or set it false",
+                field="record_routing",
+            )
+        config = dataclasses.replace(config, record_routing=record_routing)
         await self.store.put_job_config(job_id, config)
         return config
 
@@ -158,7 +172,13 @@ class SessionCore:
             get_family(config.model_family)
         except UnknownFamilyError as exc:
             raise InvalidRequestError(exc.message, field="model_family") from None
-        await self.models.files(config.model_path)  # 503 when this replica cannot load the model's files
+        files = await self.models.files(config.model_path)  # 503 when this replica cannot load the model's files
+        if config.record_routing and files.routing_shape is None:
+            raise ModelUnavailableError(
+                f"job {request.job_id!r} records routing, but the model at {config.model_path!r} is no longer a MoE "
+                f"model (config.json model_type {files.model_type!r}); PUT the job config again",
+                retry_after_s=5.0,
+            )
         try:
             await self.models.get(config)  # 400 for kwargs the family forbids
         except ModelUnavailableError as exc:  # the files load, so the family does not fit them: the caller's choice
@@ -277,8 +297,9 @@ class SessionCore:
     async def samples(self, meta: SessionMeta, request: SamplesRequest) -> Any:
         """POST /v1/sessions/{id}/samples as a `miles.session.v1.SessionSamples` message."""
         state, records, model = await self._load(meta)
+        chunks = await self.store.load_routing(meta.session_id) if model.routing is not None else []
         samples, empty_reason, comparison = await asyncio.to_thread(
-            self._build_samples, meta, state, records, model, request
+            self._build_samples, meta, state, records, chunks, model, request
         )
         if comparison is not None:
             self.metrics.tito.record(comparison)
@@ -308,9 +329,13 @@ class SessionCore:
         meta: SessionMeta,
         state: SessionState,
         records: list[TurnRecord],
+        routing_chunks: list[bytes],
         model: SessionModel,
         request: SamplesRequest,
     ) -> tuple[list[SampleData], str, ComparisonResult | None]:
+        routing = None
+        if model.routing is not None:
+            routing = assemble_routing(records, routing_chunks, model.routing, len(state.token_ids))
         samples, empty_reason = build_samples(
             records,
             state.token_ids,
@@ -319,6 +344,7 @@ class SessionCore:
             max_seq_len=request.max_seq_len,
             episode_id=meta.episode_id,
             placeholder_token_id=model.eos_token_id or 0,
+            routing=routing,
         )
         return samples, empty_reason, self._comparison(model, state, records)
 

@@ -153,6 +153,12 @@ class UpstreamMalformedError(UpstreamError):
     code = "upstream_malformed"
 
 
+class UpstreamRoutingMismatchError(UpstreamMalformedError):
+    """A session that records routing (R3) got no routed experts, or another number of rows than it asked for."""
+
+    code = "upstream_routing_mismatch"
+
+
 __all__ = [
     "ChatTemplateKwargConflictError",
     "IdempotencyKeyReusedError",
@@ -179,6 +185,7 @@ __all__ = [
     "UpstreamConflictError",
     "UpstreamMalformedError",
     "UpstreamRejectedError",
+    "UpstreamRoutingMismatchError",
     "UpstreamUnavailableError",
     "WrongTokenError",
 ]

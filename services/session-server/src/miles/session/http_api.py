@@ -283,7 +283,10 @@ def _job_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         "/v1/jobs/{job_id}/config",
         responses={
             **OPERATOR_RESPONSES,
-            400: {"description": "A bad body, or a model_path / model_family / kwargs that cannot be served"},
+            400: {
+                "description": "A bad body, or a model_path / model_family / kwargs that cannot be served, or "
+                "record_routing true for a model that is not MoE (invalid_job_config naming the field)"
+            },
             **TOO_LARGE,
         },
         openapi_extra=body_schema(JobConfigBody),

@@ -44,6 +44,13 @@ class SessionMetrics:
             "max_tokens_clamped", "Turns whose max_tokens ask exceeded the completion limit and was clamped to it"
         )
         self.samples = metrics.counter("samples", "Training samples returned, by status", ["status"])
+        self.routing_bytes = metrics.counter(
+            "routing_stored_bytes", "Packed routing (R3) bytes committed with turn records (new rows only)"
+        )
+        self.routing_row_mismatches = metrics.counter(
+            "routing_row_mismatches",
+            "Turns whose engine answer had no routed experts or another number of rows than asked for (refused)",
+        )
         self.tito: TitoMetrics = register_tito_metrics(metrics)
         for result in TURN_RESULTS:
             self.turns.labels(result=result)

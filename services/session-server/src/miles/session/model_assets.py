@@ -2,10 +2,11 @@
 
 A model directory has the Hugging Face layout: `tokenizer.json`, `tokenizer_config.json` (bos/eos tokens and,
 usually, `chat_template`), optionally `chat_template.jinja` and `config.json` (max_position_embeddings gives the
-context length when the job config does not). Families with a fixed template use ours; the others use the
-model's own template. Loading a tokenizer takes ~1 s, so it runs in a worker thread, once per path (concurrent
-requests for the same path share one load), and the results are kept in small LRU caches. Nothing here is
-per-session state: every replica rebuilds the same objects from the same files.
+context length when the job config does not; a qwen3_moe `model_type` gives the routing shape of R3). Families
+with a fixed template use ours; the others use the model's own template. Loading a tokenizer takes ~1 s, so it
+runs in a worker thread, once per path (concurrent requests for the same path share one load), and the results are
+kept in small LRU caches. Nothing here is per-session state: every replica rebuilds the same objects from the same
+files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from miles.common.contracts.routing import RoutingShape, routing_shape_from_hf_config
 from miles.common.errors import MilesError
 from miles.session.errors import ModelUnavailableError
 from miles.session.records import ModelConfig, dumps
@@ -34,6 +36,10 @@ class ModelFiles:
     codec: HFTokenizerCodec
     chat_template: str | None
     max_position_embeddings: int | None
+    model_type: str | None = None
+    """config.json's model_type (None without a config.json)."""
+    routing_shape: RoutingShape | None = None
+    """The MoE routing shape (`routing_shape_from_hf_config`); None for a dense model."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class SessionModel:
     max_context_tokens: int | None
     eos_token_id: int | None
     name: str
+    routing: RoutingShape | None = None
+    """Set when the session records routing (R3): the shape of the rows turns ask for and samples carry."""
 
 
 def read_chat_template(model_dir: Path) -> str | None:
@@ -71,12 +79,17 @@ def load_model_files(model_path: str) -> ModelFiles:
     if not (model_dir / "tokenizer.json").is_file():
         raise ModelUnavailableError(f"model directory {model_path!r} has no tokenizer.json", retry_after_s=5.0)
     codec = HFTokenizerCodec.from_file(model_dir, name=model_dir.name)
-    max_positions: int | None = None
     config_path = model_dir / "config.json"
-    if config_path.is_file():
-        value = json.loads(config_path.read_text(encoding="utf-8")).get("max_position_embeddings")
-        max_positions = int(value) if isinstance(value, int) else None
-    return ModelFiles(codec, read_chat_template(model_dir), max_positions)
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    value = config.get("max_position_embeddings")
+    max_positions = int(value) if isinstance(value, int) else None
+    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    try:
+        shape = routing_shape_from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        message = f"{config_path}: a {model_type} config without a valid MoE layout ({type(exc).__name__}: {exc})"
+        raise ModelUnavailableError(message, retry_after_s=5.0) from None
+    return ModelFiles(codec, read_chat_template(model_dir), max_positions, model_type, shape)
 
 
 class _AsyncLru(Generic[K, V]):
@@ -116,7 +129,7 @@ class ModelRegistry:
 
     def __init__(self, cache_size: int) -> None:
         self._files: _AsyncLru[str, ModelFiles] = _AsyncLru(cache_size)
-        self._models: _AsyncLru[tuple[str, str, str, int | None, bool], SessionModel] = _AsyncLru(cache_size * 4)
+        self._models: _AsyncLru[tuple[str, str, str, int | None, bool, bool], SessionModel] = _AsyncLru(cache_size * 4)
 
     async def files(self, model_path: str) -> ModelFiles:
         async def load() -> ModelFiles:
@@ -139,6 +152,7 @@ class ModelRegistry:
             dumps(config.chat_template_kwargs),
             config.max_context_tokens,
             config.split_special_tokens,
+            config.record_routing,
         )
 
         async def build() -> SessionModel:
@@ -155,11 +169,15 @@ class ModelRegistry:
             except TokenizerUnavailableError as exc:  # a start-up class of error, but here it is per model
                 raise ModelUnavailableError(exc.message, retry_after_s=5.0) from exc
             eos = files.codec.token_id(files.codec.eos_token) if files.codec.eos_token else None
+            if config.record_routing and files.routing_shape is None:  # the directory changed since the job's PUT
+                message = f"{config.model_path!r} is no MoE model (model_type {files.model_type!r}): no routing"
+                raise ModelUnavailableError(message, retry_after_s=5.0)
             return SessionModel(
                 tito=tito,
                 max_context_tokens=config.max_context_tokens or files.max_position_embeddings,
                 eos_token_id=eos,
                 name=Path(config.model_path).name or config.model_path,
+                routing=files.routing_shape if config.record_routing else None,
             )
 
         return await self._models.get(key, build)

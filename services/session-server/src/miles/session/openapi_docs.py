@@ -83,7 +83,11 @@ CHAT_RESPONSES: Responses = {
     },
     409: {"description": "The engine answered 409 (e.g. behind a required weight version); retry"},
     422: {"description": "The session id breaks its bounds, or the chat template cannot render the history"},
-    502: {"description": "The engine answered something that is not a valid SGLang /generate response"},
+    502: {
+        "description": "The engine answered something that is not a valid SGLang /generate response; or, for a "
+        "session that records routing, no routed experts or another number of rows than asked for "
+        "(upstream_routing_mismatch)"
+    },
     503: {
         "description": "The rollout router / engine cannot be reached, timed out, is overloaded or aborted the "
         "generation; or the store cannot be reached or the session is busy; retry"

@@ -2,7 +2,8 @@
 
 A session is: `SessionMeta` (fixed at creation: owner token hash, job, resolved model config), `SessionState`
 (what each turn reads: message history, the token buffer, tools, per-record message ends, a version counter) and
-the list of `TurnRecord`s (one per committed model call, read only for samples, GET and a rollback).
+the list of `TurnRecord`s (one per committed model call, read only for samples, GET and a rollback) with, when
+the session records routing (R3), one packed routing chunk per record beside it (read only for samples).
 
 Token buffer invariant: `token_ids` is the last record's prompt ids + completion ids; record i's prompt is
 `token_ids[:records[i].prompt_len]` for every i (TITO only appends, and trims at most `max_trim_tokens` of a
@@ -52,13 +53,17 @@ class ModelConfig:
     """The most tokens one turn may generate, whatever the request asks (None: only the context limits it)."""
     split_special_tokens: bool = True
     """Token strings in user, system and tool text and in the tool list are encoded as plain text."""
+    record_routing: bool = False
+    """Routing replay (R3): every turn asks the engine for its routed experts and samples carry them. Resolved
+    when the job config is PUT (its None: on when the model is MoE); needs a MoE model."""
 
     def to_json(self) -> Json:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: Json) -> ModelConfig:
-        """Configs stored before a field existed get that field's behaviour of then (no cap, no split)."""
+        """Configs stored before a field existed get that field's behaviour of then (no cap, no split, no
+        routing)."""
         return cls(
             model_path=str(data["model_path"]),
             model_family=str(data["model_family"]),
@@ -68,6 +73,7 @@ class ModelConfig:
             sampling_defaults=dict(data.get("sampling_defaults") or {}),
             max_new_tokens=data.get("max_new_tokens"),
             split_special_tokens=bool(data.get("split_special_tokens", False)),
+            record_routing=bool(data.get("record_routing", False)),
         )
 
 
@@ -146,6 +152,9 @@ class TurnRecord:
     """Length of the message history after this turn's assistant message."""
     created_at_unix_ms: int
     upstream_latency_s: float
+    routing_start_row: int | None = None
+    """First token position whose routing this turn's stored chunk holds (the engine's routed_experts_start_len);
+    the chunk covers [routing_start_row, prompt_len + len(completion_ids) - 1). None: no routing recorded."""
 
     def to_json(self) -> Json:
         data = asdict(self)
@@ -168,6 +177,7 @@ class TurnRecord:
             messages_end=int(data["messages_end"]),
             created_at_unix_ms=int(data["created_at_unix_ms"]),
             upstream_latency_s=float(data["upstream_latency_s"]),
+            routing_start_row=None if data.get("routing_start_row") is None else int(data["routing_start_row"]),
         )
 
 
@@ -209,6 +219,9 @@ class TurnCommit:
     """The state's message_ends after the commit: the kept ones + record.messages_end."""
     ttl_s: float
     """The session's ttl_s (the commit restarts its expiry clock)."""
+    routing: bytes | None = None
+    """The record's routing chunk (packed rows, `miles.common.contracts.routing`) when the session records
+    routing: appended beside the record (the kept chunks are never rewritten), trimmed with the records."""
 
 
 class CommitOutcome(StrEnum):

@@ -13,6 +13,9 @@
    episode does not end the merged sample: the agent saw the cut reply and went on, and the next prompt closes the
    turn with the template's end token, which is not trained on.
 A session with nothing to train on gives one ABORTED placeholder (1 token, no response) with an empty_reason.
+4. Routing (R3, sessions that record it): every sample, placeholders included, carries the rows of its tokens,
+   len(tokens) - 1 of them, cut from the rows assembled for the whole buffer (routing.py): every sample's tokens are
+   a prefix of the buffer, and a row depends only on the tokens up to it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from miles.common.contracts.weight_version import INITIAL_WEIGHT_VERSION, parse_weight_version
+from miles.proto.common.v1 import common_pb2
 from miles.session.errors import SampleAssemblyError
 from miles.session.records import FinishType, TurnRecord
+from miles.session.routing import SessionRouting
 
 SampleMode = Literal["merge", "per_turn"]
 COMPLETED, TRUNCATED, ABORTED = "COMPLETED", "TRUNCATED", "ABORTED"
@@ -62,6 +67,8 @@ class SampleData:
     weight_versions: list[WeightSpanData] = field(default_factory=list)
     status: str = COMPLETED
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: common_pb2.RoutedExperts | None = None
+    """Rows [0, len(tokens) - 1) of the session's routing, when it records routing."""
 
 
 def span_version(label: str) -> int:
@@ -202,12 +209,19 @@ def build_samples(
     max_seq_len: int | None,
     episode_id: str,
     placeholder_token_id: int,
+    routing: SessionRouting | None = None,
 ) -> tuple[list[SampleData], str]:
-    """(samples, empty_reason): the session's samples, or one ABORTED placeholder and why."""
-    if not records:
-        return [aborted_placeholder(episode_id, placeholder_token_id, "no_records")], "no_records"
-    turns = truncate(align(records, token_ids, max_trim_tokens), max_seq_len)
-    if not turns:
-        return [aborted_placeholder(episode_id, placeholder_token_id, "all_truncated")], "all_truncated"
-    samples = [merge(turns, token_ids, episode_id)] if mode == "merge" else per_turn(turns, token_ids, episode_id)
-    return samples, ""
+    """(samples, empty_reason): the session's samples, or one ABORTED placeholder and why; with `routing`, each
+    carries its rows (step 4 of the module docstring)."""
+    turns = truncate(align(records, token_ids, max_trim_tokens), max_seq_len) if records else []
+    empty_reason = "" if turns else ("all_truncated" if records else "no_records")
+    if empty_reason:
+        samples = [aborted_placeholder(episode_id, placeholder_token_id, empty_reason)]
+    elif mode == "merge":
+        samples = [merge(turns, token_ids, episode_id)]
+    else:
+        samples = per_turn(turns, token_ids, episode_id)
+    if routing is not None:
+        for sample in samples:
+            sample.routed_experts = routing.for_tokens(sample.tokens, token_ids)
+    return samples, empty_reason

@@ -2,7 +2,8 @@
 
 Protobuf binary for `Accept: application/x-protobuf`, else the protobuf JSON mapping with the proto's field names
 (`google.protobuf.json_format.Parse` reads either spelling back). Every sample is checked as it is encoded: the
-Sample contract the buffer and the trainer check too (miles.common.contracts.samples), plus this server's own
+Sample contract the buffer and the trainer check too (miles.common.contracts.samples: routing included, exactly
+len(tokens) - 1 rows when present), plus this server's own
 guarantee that a logprob under a 0 loss mask is 0.0. A failure is this server's bug (SampleContractError, 500).
 """
 
@@ -37,6 +38,8 @@ def to_sample(sample: SampleData, meta: SessionMeta, *, group_id: str, reward: f
         reward=reward,
         status=f"SAMPLE_STATUS_{sample.status}",
     )
+    if sample.routed_experts is not None:
+        message.rollout_routed_experts.CopyFrom(sample.routed_experts)
     message.metadata.update({**metadata, **sample.metadata, "session_id": meta.session_id, "job_id": meta.job_id})
     _check_built(message)
     return message

@@ -7,7 +7,9 @@ Backends: `RedisStore` (default; every replica shares it, so any replica serves 
 - `commit` is phase 3: one atomic step that waits while another request holds the lock, and is fenced by the
   session's version counter: it applies only if nothing committed since the turn read the session
   (`CommitOutcome.CONCURRENT_TURN` otherwise, counted as a not-recorded turn), so an expired lease cannot corrupt
-  a session. `delete` waits for the lock the same way.
+  a session. `delete` waits for the lock the same way. A commit with a routing chunk (R3) appends it beside the
+  record and trims the chunks with the records: chunks already stored are never rewritten, so a turn's write
+  does not grow with the session.
 - a session expires `ttl_s` after its creation or last commit; `reap()` counts expiries once across replicas.
 - an Idempotency-Key of a create is stored with its session (`create(meta, idempotency)` claims it atomically)
   and expires, or is deleted, with it; `rotate_token` replaces the session's token hash (a replay's new token).
@@ -73,6 +75,10 @@ class SessionStore(Protocol):
         ...
 
     async def load_records(self, session_id: str) -> list[TurnRecord]: ...
+
+    async def load_routing(self, session_id: str) -> list[bytes]:
+        """The routing chunk of every record, in order ([] for a session without routing)."""
+        ...
 
     async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
         """Phase 3 (see the module docstring); SessionBusyError when the lock stays taken for lock_wait_s."""

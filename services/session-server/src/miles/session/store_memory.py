@@ -31,6 +31,7 @@ class _Entry:
     meta: SessionMeta
     state: SessionState = field(default_factory=SessionState)
     records: list[TurnRecord] = field(default_factory=list)
+    routing: list[bytes] = field(default_factory=list)
     expires_at_s: float = 0.0
     idempotency_key_sha256: str | None = None
 
@@ -92,6 +93,10 @@ class MemoryStore:
         entry = self._live(session_id)
         return list(entry.records) if entry else []
 
+    async def load_routing(self, session_id: str) -> list[bytes]:
+        entry = self._live(session_id)
+        return list(entry.routing) if entry else []
+
     async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
         async with self._lock(session_id):
             entry = self._live(session_id)
@@ -101,6 +106,9 @@ class MemoryStore:
                 entry.state = dataclasses.replace(entry.state, num_not_recorded=entry.state.num_not_recorded + 1)
                 return CommitOutcome.CONCURRENT_TURN
             entry.records = [*entry.records[: commit.num_kept_records], commit.record]
+            if commit.routing is not None:
+                del entry.routing[commit.num_kept_records :]
+                entry.routing.append(commit.routing)
             entry.state = dataclasses.replace(
                 entry.state,
                 version=entry.state.version + 1,

@@ -5,6 +5,8 @@ Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together
   not_recorded, and optionally token (the token hash after a rotation; it overrides meta's) and idem (the name
   of its idempotency key). Expires ttl_s after creation or the last commit.
 - `P:s:{id}:records` list of TurnRecord JSON (appended per commit; trimmed by a rollback).
+- `P:s:{id}:routing` list of packed routing chunks (R3), one per record, binary, appended and trimmed with the
+  records; absent for sessions that do not record routing. Read only to build samples.
 - `P:s:{id}:lock` the per-session lock: a lease (SET NX PX) released by compare-and-delete.
 - `P:live` sorted set of session ids scored by expiry time (ms): live-session count, listing, expiry counting.
 - `P:job:<job_id>:config` a job's ModelConfig JSON (no expiry; deleted by the controller).
@@ -88,7 +90,8 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 redis.call('HSET', KEYS[1], 'token', ARGV[1])
 return redis.call('HGET', KEYS[1], 'meta')
 """
-# KEYS: hash, records, lock, live. ARGV: version, kept, messages, ids, tools, ends, record, ttl ms, id, expiry ms
+# KEYS: hash, records, lock, live, routing. ARGV: version, kept, messages, ids, tools, ends, record, ttl ms, id,
+# expiry ms, routing chunk, "1" when the commit carries a chunk
 _COMMIT = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -100,6 +103,11 @@ end
 local kept = tonumber(ARGV[2])
 if kept == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, kept - 1) end
 redis.call('RPUSH', KEYS[2], ARGV[7])
+if ARGV[12] == '1' then
+  if kept == 0 then redis.call('DEL', KEYS[5]) else redis.call('LTRIM', KEYS[5], 0, kept - 1) end
+  redis.call('RPUSH', KEYS[5], ARGV[11])
+  redis.call('PEXPIRE', KEYS[5], ARGV[8])
+end
 redis.call('HSET', KEYS[1], 'version', version + 1, 'messages', ARGV[3], 'ids', ARGV[4], 'tools', ARGV[5],
   'ends', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
@@ -109,13 +117,13 @@ if idem then redis.call('PEXPIRE', idem, ARGV[8]) end
 redis.call('ZADD', KEYS[4], ARGV[10], ARGV[9])
 return version + 1
 """
-# KEYS: hash, records, lock, live. ARGV: id. -> 1 deleted | 0 missing | -3 busy
+# KEYS: hash, records, lock, live, routing. ARGV: id. -> 1 deleted | 0 missing | -3 busy
 _DELETE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
 local idem = redis.call('HGET', KEYS[1], 'idem')
 if idem then redis.call('DEL', idem) end
 redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[5])
 return redis.call('DEL', KEYS[1])
 """
 _REAP_BATCH = 1000
@@ -185,9 +193,9 @@ class RedisStore:
         return f"{self._prefix}:s:{{{session_id}}}{suffix}"
 
     def _session_keys(self, session_id: str) -> list[str]:
-        """hash, records, lock, live index: the KEYS of the commit and delete scripts."""
+        """hash, records, lock, live index, routing: the KEYS of the commit and delete scripts."""
         key = self._key(session_id)
-        return [key, f"{key}:records", f"{key}:lock", f"{self._prefix}:live"]
+        return [key, f"{key}:records", f"{key}:lock", f"{self._prefix}:live", f"{key}:routing"]
 
     def _job_key(self, job_id: str) -> str:
         return f"{self._prefix}:job:{job_id}:config"
@@ -296,6 +304,11 @@ class RedisStore:
         return [TurnRecord.from_json(json.loads(item)) for item in raw]
 
     @_store_errors
+    async def load_routing(self, session_id: str) -> list[bytes]:
+        raw = await self._redis.lrange(self._key(session_id, ":routing"), 0, -1)
+        return [item if isinstance(item, bytes) else item.encode() for item in raw]  # the client never decodes
+
+    @_store_errors
     async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
         ttl_ms = int(commit.ttl_s * 1000)
         args: list[str | bytes | int] = [
@@ -309,6 +322,8 @@ class RedisStore:
             ttl_ms,
             session_id,
             _now_ms() + ttl_ms,
+            commit.routing or b"",
+            "0" if commit.routing is None else "1",
         ]
         keys = self._session_keys(session_id)
         result = int(await self._until_free(session_id, lambda: self._commit(keys=keys, args=args)))

@@ -8,17 +8,22 @@
    A turn that lost the race (another turn on the session committed first) is still answered, but not recorded,
    and says so in the response's `miles.recorded`.
 Nothing is written before phase 3, so a failed turn (bad input, engine error) leaves the session as it was.
+A session that records routing (R3) asks the engine in phase 2 for the routing rows it does not hold yet
+(routing.py), checks their count, and commits them packed beside the record in phase 3; the agent's answer is built
+from the parsed completion only, so routing never reaches it (a client's own `return_routed_experts` is ignored).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from miles.common.errors import MilesError
-from miles.session import openai_format
+from miles.session import openai_format, routing
 from miles.session.api_models import ChatCompletionRequest
 from miles.session.errors import (
     PromptTooLongError,
@@ -26,6 +31,7 @@ from miles.session.errors import (
     UpstreamConflictError,
     UpstreamMalformedError,
     UpstreamRejectedError,
+    UpstreamRoutingMismatchError,
 )
 from miles.session.history import TurnPlan, num_records_to_keep, plan_turn
 from miles.session.metrics import SessionMetrics
@@ -36,6 +42,14 @@ from miles.session.store import SessionStore
 from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError
 
 tracer = trace.get_tracer("miles.session")
+
+
+@dataclass(frozen=True)
+class TurnRouting:
+    """A turn's routing rows (R3): the first position asked for and the packed chunk of rows from there on."""
+
+    start_row: int
+    chunk: bytes
 
 
 def _upstream_error_kind(error: MilesError) -> str:
@@ -121,19 +135,36 @@ class TurnRunner:
         request: ChatCompletionRequest,
         prompt_ids: list[int],
         budget: CompletionBudget,
-    ) -> Completion:
+        routing_start: int | None,
+    ) -> tuple[Completion, TurnRouting | None]:
+        """The completion and, when `routing_start` is given, its checked routing rows from that position on."""
         params = openai_format.sampling_params(
             meta.model.sampling_defaults, request, stop_token_ids=model.tito.stop_token_ids, budget=budget
         )
         try:
-            return await self._engine.generate(
+            completion = await self._engine.generate(
                 input_ids=prompt_ids,
                 sampling_params=params,
                 stream=request.stream,
                 routing_key=meta.session_id,
                 pool=meta.model.engine_pool,
+                routed_experts_start_len=routing_start,
             )
+            if routing_start is None or model.routing is None:
+                return completion, None
+            # In a worker thread: a long first prompt of a large MoE model is millions of ids to check and pack.
+            chunk = await asyncio.to_thread(
+                routing.turn_chunk,
+                completion.routed_experts,
+                model.routing,
+                start=routing_start,
+                num_prompt_tokens=len(prompt_ids),
+                num_completion_tokens=len(completion.output_ids),
+            )
+            return completion, TurnRouting(routing_start, chunk)
         except MilesError as exc:
+            if isinstance(exc, UpstreamRoutingMismatchError):
+                self._metrics.routing_row_mismatches.inc()
             self._metrics.upstream_errors.labels(kind=_upstream_error_kind(exc)).inc()
             raise
 
@@ -145,19 +176,24 @@ class TurnRunner:
             plan = await self._prepare(meta, model, request)
             prompt_ids = plan.prompt.prompt_ids
             self._observe_phase("prepare", phase_started_s)
+        routing_start = None
+        if model.routing is not None:
+            routing_start = routing.start_row(len(plan.prompt.stored_ids), plan.prompt.num_trimmed_tokens)
         budget = self._budget(meta, model, request, len(prompt_ids))
         if budget.clamped_from is not None:
             self._metrics.max_tokens_clamped.inc()
         with tracer.start_as_current_span("session.upstream", attributes=attributes) as span:
             phase_started_s = time.perf_counter()
-            completion = await self._generate(meta, model, request, prompt_ids, budget)
+            completion, turn_routing = await self._generate(meta, model, request, prompt_ids, budget, routing_start)
             span.set_attribute("miles.weight_version", completion.weight_version)
             self._observe_phase("upstream", phase_started_s)
         message = self._assistant_message(model, plan, completion)
         with tracer.start_as_current_span("session.commit", attributes=attributes):
             phase_started_s = time.perf_counter()
-            outcome = await self._commit(meta, plan, prompt_ids, completion, message)
+            outcome = await self._commit(meta, plan, prompt_ids, completion, message, turn_routing)
             self._observe_phase("commit", phase_started_s)
+        if turn_routing is not None and outcome is CommitOutcome.COMMITTED:
+            self._metrics.routing_bytes.inc(len(turn_routing.chunk))
         self._metrics.prompt_tokens.inc(len(prompt_ids))
         self._metrics.completion_tokens.inc(len(completion.output_ids))
         self._metrics.cached_tokens.inc(completion.cached_tokens)
@@ -173,7 +209,13 @@ class TurnRunner:
         return openai_format.assistant_message(parsed, plan.num_kept_records)
 
     async def _commit(
-        self, meta: SessionMeta, plan: TurnPlan, prompt_ids: list[int], completion: Completion, message: Json
+        self,
+        meta: SessionMeta,
+        plan: TurnPlan,
+        prompt_ids: list[int],
+        completion: Completion,
+        message: Json,
+        turn_routing: TurnRouting | None,
     ) -> CommitOutcome:
         messages = [*plan.base_messages, *plan.appended, message]
         record = TurnRecord(
@@ -190,6 +232,7 @@ class TurnRunner:
             messages_end=len(messages),
             created_at_unix_ms=int(time.time() * 1000),
             upstream_latency_s=completion.latency_s,
+            routing_start_row=turn_routing.start_row if turn_routing is not None else None,
         )
         commit = TurnCommit(
             expected_version=plan.state_version,
@@ -200,6 +243,7 @@ class TurnRunner:
             record=record,
             message_ends=[*plan.kept_message_ends, len(messages)],
             ttl_s=meta.ttl_s,
+            routing=turn_routing.chunk if turn_routing is not None else None,
         )
         return await self._store.commit(meta.session_id, commit)
 

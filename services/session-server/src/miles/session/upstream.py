@@ -1,7 +1,9 @@
 """The upstream call: SGLang-native `POST /generate` on the rollout router (or one engine), parsed into a Completion.
 
 Request: `input_ids`, `sampling_params`, `return_logprob: true`, `stream` when the client streams, headers
-`X-SMG-Routing-Key: <session_id>` (KV-cache affinity) and `X-Miles-Pool: <engine pool>`. Response
+`X-SMG-Routing-Key: <session_id>` (KV-cache affinity) and `X-Miles-Pool: <engine pool>`; for a session that records
+routing also `return_routed_experts: true` and `routed_experts_start_len` (sglang-protocol.md §1.6: the answer's
+`meta_info.routed_experts`, on the final chunk when streaming, is kept raw in the Completion). Response
 (docs/sglang-protocol.md §1.3-1.4): the sampled ids come from `meta_info.output_token_logprobs`, 3-element
 entries `[logprob, token_id, text|null]`; `finish_reason` is an object `{type: stop|length|abort, matched?}`.
 Streaming tolerates both cumulative and delta chunks (the rule: `completion_tokens` is always cumulative).
@@ -44,6 +46,9 @@ class Completion:
     cached_tokens: int
     prompt_tokens: int
     latency_s: float
+    routed_experts: str | None = None
+    """`meta_info.routed_experts` as sent (base64 of little-endian int32), when asked for; routing.py checks it.
+    Never part of the agent's answer."""
 
 
 class UpstreamAbortedError(UpstreamUnavailableError):
@@ -113,6 +118,9 @@ def parse_finished(
     if not ids:
         raise _malformed("the engine returned no tokens")
     matched = finish.get("matched")
+    routed = meta.get("routed_experts")
+    if routed is not None and not isinstance(routed, str):
+        raise _malformed(f"meta_info.routed_experts is a {type(routed).__name__}, not a base64 string")
     return Completion(
         output_ids=ids,
         logprobs=logprobs,
@@ -122,6 +130,7 @@ def parse_finished(
         cached_tokens=_int_field(meta, "cached_tokens", 0),
         prompt_tokens=_int_field(meta, "prompt_tokens", num_prompt_tokens),
         latency_s=latency_s,
+        routed_experts=routed,
     )
 
 
@@ -172,14 +181,19 @@ class EngineClient:
         stream: bool,
         routing_key: str,
         pool: str,
+        routed_experts_start_len: int | None = None,
     ) -> Completion:
-        body = {
+        """One generation; with `routed_experts_start_len`, also the routed experts of positions from there on."""
+        body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params,
             "return_logprob": True,
             "stream": stream,
             "rid": uuid.uuid4().hex,
         }
+        if routed_experts_start_len is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts_start_len
         headers = {ROUTING_KEY_HEADER: routing_key, POOL_HEADER: pool}
         started_s = time.perf_counter()
         try:
