@@ -36,6 +36,16 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def moe_model_dir(model_dir: Path) -> Path:
+    """The same tokenizer under a Qwen3-MoE config.json (3 MoE layers x top 2 of 8 experts): what decides routing."""
+    folder = model_dir.parent / "qwen3-moe"
+    shutil.copytree(model_dir, folder)
+    config = {"model_type": "qwen3_moe", "vocab_size": 151936, "num_hidden_layers": 3, "num_experts": 8}
+    (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 2}))
+    return folder
+
+
+@pytest.fixture
 def shared_services(redis_url: str, tmp_path: Path) -> Iterator[dict[str, str]]:
     buffer_port, buffer_metrics_port, session_port = free_port(), free_port(), free_port()
     buffer = ServiceProcess(
@@ -117,3 +127,24 @@ async def test_unreachable_shared_service_is_retried_then_fails_the_job(redis_ur
         assert "session server unreachable" in job["errors"][-1]
         assert sum("start attempt" in error for error in job["errors"]) == 2
         assert ("start", job_id) not in backend.calls  # never started without its registration
+
+
+async def test_routing_replay_reaches_the_session_servers_job_config(
+    redis_url: str, shared_services: dict[str, str], model_dir: Path, moe_model_dir: Path, controller_kit: Any
+) -> None:
+    """record_routing is train.routing_replay when set; unset, the session server resolves it from the model."""
+    kit = controller_kit
+    session_url = shared_services["session_url"]
+    operator = {"authorization": f"Bearer {OPERATOR_TOKEN}"}
+    settings = kit.make_settings(redis_url, session_operator_token=OPERATOR_TOKEN, **shared_services)
+    cases = [(model_dir, None, False), (moe_model_dir, None, True), (moe_model_dir, False, False)]
+    async with kit.running(settings, kit.FakeBackend()) as client, httpx.AsyncClient() as http:
+        for model, replay, recorded in cases:
+            body = kit.job_spec_body(num_steps=1)
+            body["model"] = {"path": str(model), "family": "qwen3"}
+            if replay is not None:
+                body["train"] = {**body["train"], "routing_replay": replay}
+            job_id = (await client.post("/v1/jobs", json=body)).json()["job_id"]
+            await kit.wait_for_state(client, job_id, "SUCCEEDED")
+            config = (await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)).json()
+            assert config["record_routing"] is recorded, (model.name, replay, config)

@@ -18,6 +18,7 @@ from miles.controller.api_models import ResizeRequest
 from miles.controller.errors import JobNotFoundError, JobStateConflictError
 from miles.controller.jobs import TERMINAL_STATES, JobRecord, JobState, new_job_id
 from miles.controller.metrics import ControllerMetrics
+from miles.controller.routing_replay import check_routing_replay, read_model_routing
 from miles.controller.settings import ControllerSettings
 from miles.controller.store import JobEvent, JobStore
 from miles.controller.supervisor import Supervisor
@@ -42,6 +43,7 @@ class JobService:
         spec, returns that job and created=False."""
         for field, why in spec.train.recipe_problems():  # semantic: pydantic accepted each field on its own
             raise InvalidArgumentError(why, field=field)
+        check_routing_replay(spec, await asyncio.to_thread(read_model_routing, spec.model.path))
         await self.supervisor.backend.check_spec(spec)
         now = time.time()
         record = JobRecord(job_id=new_job_id(), spec=spec, state=JobState.PENDING, created_at_s=now, updated_at_s=now)

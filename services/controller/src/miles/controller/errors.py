@@ -33,6 +33,12 @@ class IdempotencyKeyReusedError(UnprocessableError):
     code = "idempotency_key_reused"
 
 
+class RoutingReplayNeedsMoEError(UnprocessableError):
+    """`train.routing_replay: true` with a model whose config.json has no MoE layers (nothing to replay)."""
+
+    code = "routing_replay_needs_moe"
+
+
 class TooManyActiveJobsError(ResourceExhaustedError):
     """`max_active_jobs` jobs are already PENDING or RUNNING."""
 

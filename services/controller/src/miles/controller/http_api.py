@@ -99,7 +99,12 @@ SUBMIT_RESPONSES: Responses = {
         "applied twice: train.correction.mode), or that this controller's backend cannot run (e.g. "
         "resources.engines.kind); `field` names it"
     },
-    422: {"description": "The spec breaks the schema (`field` names it), or an Idempotency-Key came with another body"},
+    422: {
+        "description": "The spec breaks the schema (`field` names it); or an Idempotency-Key came with another body "
+        "(code `idempotency_key_reused`); or `train.routing_replay` is true for a dense model (code "
+        "`routing_replay_needs_moe`, field `train.routing_replay`: the config.json at `model.path`, when the "
+        "controller can read it, has no MoE layers, so there is no routing to replay)"
+    },
     429: {"description": "max_active_jobs jobs are already PENDING or RUNNING"},
 }
 _bearer = HTTPBearer(auto_error=False, description="One of the controller's api tokens")

@@ -2,7 +2,8 @@
 per-job statistics while it runs, unregister it when it is deleted.
 
 - session server: `PUT /v1/jobs/{id}/config` (model path, TITO family, chat template kwargs, the router pool =
-  the job id) with the operator token; `DELETE` of it on job deletion.
+  the job id, `record_routing` = `train.routing_replay` when set) with the operator token; `DELETE` of it on job
+  deletion.
 - buffer: gRPC `ConfigureJob` (the job's queue, created before any worker pushes) and `DeleteJob`.
 - router: `GET /admin/v1/stats?pool=<job id>` for the job's prefix hit rate (counters of the replica that answers:
   with several router replicas this is one replica's view).
@@ -25,6 +26,7 @@ from miles.common.grpc_client import create_channel, error_from_rpc_error
 from miles.common.http_client import traced_async_client
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import SharedServices
+from miles.controller.routing_replay import session_record_routing
 from miles.proto.buffer.v1 import buffer_pb2, buffer_pb2_grpc
 
 
@@ -66,6 +68,7 @@ class SharedServicesClient:
                 "model_family": spec.model.family,
                 "engine_pool": engine_pool_of(job_id),
                 "chat_template_kwargs": spec.model.chat_template_kwargs,
+                **session_record_routing(spec),
             }
             await self._session_call("PUT", job_id, body)
         if self._buffer is not None:

@@ -3,7 +3,9 @@
 One job on this machine is:
 
 - `engine-<i>`: `miles-engine --model-path <spec.model.path> --port <free> --weight-version 0 <extra_args>`
-  (`--fake-model` only when the spec's `resources.engines.extra_args` carry it);
+  (`--fake-model` only when the spec's `resources.engines.extra_args` carry it), plus
+  `--enable-return-routed-experts` when the job records MoE routing (R3: `train.routing_replay` true, or unset
+  with a MoE model; extra_args naming the flag either way win);
 - `weightsync` (transport `stream` only): one `miles-weight-sync` daemon, the job's origin, which the trainer
   publishes to and which loads every engine of the job itself (the weight-sync README's one-process setup: no
   peers), draining engines through the router's admin API in the job's pool (lossless deltas to the engines; its
@@ -30,6 +32,7 @@ from miles.common.ports import free_port
 from miles.common.spawn import SettingValue, console_script, settings_env
 from miles.controller.backends.base import PlatformTokens, SharedServices
 from miles.controller.backends.local_processes import ProcessRecord
+from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, engines_record_routing, read_model_routing
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> str:
@@ -57,6 +60,14 @@ def token_env(service_env_name: str, tokens: Mapping[str, str]) -> dict[str, str
     return settings_env(service_env_name, tokens, omit_empty=True)
 
 
+def _engines_record_routing(spec: JobSpec) -> bool:
+    """Whether to add ENGINE_ROUTING_FLAG: the job records routing and its extra_args do not set the flag."""
+    negated = "--no-" + ENGINE_ROUTING_FLAG.removeprefix("--")
+    if any(arg in (ENGINE_ROUTING_FLAG, negated) for arg in spec.resources.engines.extra_args):
+        return False
+    return engines_record_routing(spec, read_model_routing(spec.model.path))
+
+
 def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformTokens) -> ProcessRecord:
     port = free_port()
     argv = [
@@ -69,6 +80,8 @@ def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformToke
         "0",
         *spec.resources.engines.extra_args,
     ]
+    if _engines_record_routing(spec):
+        argv.append(ENGINE_ROUTING_FLAG)
     url = f"http://127.0.0.1:{port}"
     return ProcessRecord(
         name=f"engine-{index}",
