@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from array import array
 
 import pytest
 
@@ -54,8 +55,16 @@ def test_the_width_follows_the_expert_count(num_experts: int, dtype: int, itemsi
     ("ids", "message"), [([0, 1, 2], "whole rows"), ([0, 1, 8, 0], "within"), ([-1, 0, 0, 0], "within")]
 )
 def test_packing_refuses_partial_rows_and_ids_out_of_range(ids: list[int], message: str) -> None:
-    with pytest.raises(routing.RoutingError, match=message):
-        routing.pack(ids, TINY)
+    for given in (ids, array("i", ids)):  # a list, and an engine's int32 answer (the byte-slicing path)
+        with pytest.raises(routing.RoutingError, match=message):
+            routing.pack(given, TINY)
+
+
+def test_an_int32_answer_packs_to_what_a_list_of_the_same_ids_packs_to() -> None:
+    ids = [7, 0, 255 % 8, 3] * 6
+    assert routing.pack(array("i", ids), TINY) == routing.pack(ids, TINY)
+    wide = routing.RoutingShape(num_layers=1, top_k=2, num_experts=256)
+    assert routing.pack(array("i", [255, 0]), wide).data == bytes([255, 0])
 
 
 @pytest.mark.parametrize("encoded", ["not base64!", base64.b64encode(b"abc").decode()])
