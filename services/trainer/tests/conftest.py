@@ -1,8 +1,10 @@
 """Shared fixtures of the trainer tests: models built by the project's own tiny-model builder, group builders,
-real `miles-buffer` and `miles-trainer` subprocesses, and a gRPC client for the trainer's control API."""
+rollouts of the tiny MoE model by a real in-process engine (routed experts on), real `miles-buffer` and
+`miles-trainer` subprocesses, and a gRPC client for the trainer's control API."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from miles.common.auth import bearer_metadata
+from miles.common.contracts.routing import RoutingShape, decode_sglang, pack
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.smoke import console_script
 from miles.model import load_model, sequence_logprobs
@@ -43,6 +46,84 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     overrides = {"vocab_size": SMALL_VOCAB, "num_hidden_layers": 2, "max_window_layers": 2}
     return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen3", config_overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE model (4 sparse layers, 8 experts, top-2; the real vocabulary), built by our builder."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", moe=True)
+
+
+TINY_MOE_ROUTING = RoutingShape(num_layers=4, top_k=2, num_experts=8)
+
+
+def generate_moe_rollouts(
+    model_dir: Path, *, num_prompts: int, samples_per_prompt: int = 2, seed: int = 0, max_new_tokens: int = 8
+) -> list[tuple[list[int], list[dict[str, Any]]]]:
+    """(prompt, replies) per prompt, all generated concurrently by one in-process `miles.engine` (deterministic,
+    `enable_return_routed_experts`) at temperature 1: each reply has `output_ids`, `meta_info.routed_experts`
+    (SGLang's base64 int32 rows) and `meta_info.output_token_logprobs`."""
+    from miles.common.telemetry import Metrics
+    from miles.engine.main import build_engine
+    from miles.engine.protocol import GenerateRequest
+    from miles.engine.settings import EngineSettings
+
+    settings = EngineSettings(model_path=model_dir, deterministic=True, enable_return_routed_experts=True)
+    engine, _ = build_engine(settings, Metrics("engine"))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 150000) for _ in range(rng.randrange(3, 12))] for _ in range(num_prompts)]
+
+    async def generate_all() -> list[Any]:
+        requests = []
+        for index, prompt in enumerate(prompts):
+            for choice in range(samples_per_prompt):
+                sampling_seed = seed * 1000 + index * samples_per_prompt + choice
+                sampling = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "sampling_seed": sampling_seed}
+                body = GenerateRequest(
+                    input_ids=prompt, sampling_params=sampling, return_logprob=True, return_routed_experts=True
+                )
+                requests.append(engine.generate(engine.plan(body)))
+        return await asyncio.gather(*requests)
+
+    try:
+        replies = asyncio.run(generate_all())
+    finally:
+        engine.scheduler.stop()
+    return [
+        (prompt, replies[index * samples_per_prompt : (index + 1) * samples_per_prompt])
+        for index, prompt in enumerate(prompts)
+    ]
+
+
+def moe_group(
+    group_id: str,
+    prompt: list[int],
+    replies: Sequence[dict[str, Any]],
+    *,
+    version: int = 0,
+    routing: RoutingShape | None = TINY_MOE_ROUTING,
+) -> common_pb2.Group:
+    """A group of engine replies as the session server builds it: tokens, logprobs, one span, rewards 0, 1, ...
+    and (unless `routing` is None) the routing packed as `Sample.rollout_routed_experts`."""
+    group = common_pb2.Group(group_id=group_id)
+    for index, reply in enumerate(replies):
+        output_ids = list(reply["output_ids"])
+        sample = group.samples.add(
+            sample_id=f"{group_id}/{index}",
+            group_id=group_id,
+            tokens=prompt + output_ids,
+            response_start=len(prompt),
+            loss_mask=[1] * len(output_ids),
+            rollout_logprobs=[entry[0] for entry in reply["meta_info"]["output_token_logprobs"]],
+            reward=float(index % 2),
+            status=COMPLETED,
+        )
+        sample.weight_versions.add(start=0, end=len(output_ids), weight_version=version)
+        if routing is not None:
+            sample.rollout_routed_experts.CopyFrom(pack(decode_sglang(reply["meta_info"]["routed_experts"]), routing))
+    return group
 
 
 def build_group(
@@ -261,6 +342,18 @@ TrainerFactory = Callable[[dict[str, str]], TrainerProcess]
 @pytest.fixture
 def make_group() -> GroupFactory:
     return build_group
+
+
+@pytest.fixture(scope="session")
+def moe_rollouts() -> Callable[..., list[tuple[list[int], list[dict[str, Any]]]]]:
+    """`generate_moe_rollouts`: engine rollouts of the tiny MoE model with their routing."""
+    return generate_moe_rollouts
+
+
+@pytest.fixture(scope="session")
+def make_moe_group() -> Callable[..., common_pb2.Group]:
+    """`moe_group`: engine replies as a buffer group with packed routing."""
+    return moe_group
 
 
 @pytest.fixture

@@ -6,6 +6,12 @@ corrupted store or a buggy agent must never crash a step. Every sample is held t
 (miles.common.contracts.samples, the check the buffer runs; its problem kinds are reasons here); the samples
 trained on also to per-token checks against the model. Each check maps to one bounded `reason` label (used in the
 nack reason and the `miles_trainer_groups_rejected_total{reason}` counter).
+
+MoE routing (R3): the routing a trainable sample carries is held to the model (layers, top_k, expert ids: the
+model's forward refuses anything else) and unpacked, whether or not the job replays it (without replay it feeds
+the routing-agreement statistic). With replay on, a trainable sample without routing is refused
+(`missing_routing`): it is never trained with the trainer's own routing. Samples that are not trained on
+(ABORTED, FAILED) are neither checked nor unpacked.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from miles.common.contracts.routing import RoutingShape, unpack
 from miles.common.contracts.samples import TRAINABLE_STATUSES, sample_problem
 from miles.proto.common.v1 import common_pb2
 
@@ -25,6 +32,7 @@ REJECT_REASONS = (
     "bad_loss_mask",
     "bad_spans",
     "bad_routing",
+    "missing_routing",
     "token_out_of_range",
     "too_long",
     "non_finite",
@@ -65,7 +73,9 @@ class TrainSample:
     """The weight version of each generated span (what generated the response)."""
     routed_experts: array[int] | None = None
     """Routing replay (R3): the experts the engine routed each position to, flat int32 ids, row-major
-    [num_tokens - 1, num_moe_layers, top_k] (miles.common.contracts.routing); None when the job does not replay."""
+    [num_tokens - 1, num_moe_layers, top_k] (miles.common.contracts.routing), checked against the model; None
+    when the sample carries none (dense model, or a job without replay whose producer did not record it) and for
+    samples that are not trained on. Replayed only when the job replays (`TrainConfig.routing_replay`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -96,15 +106,69 @@ def _check_sample(sample: common_pb2.Sample, where: str, vocab_size: int, max_po
         raise BadGroupError("empty_prompt", f"{where}: the first token has no context to be scored in")
 
 
+def _routed_experts(
+    sample: common_pb2.Sample, where: str, routing: RoutingShape | None, replay: bool
+) -> array[int] | None:
+    """The unpacked routing of a trainable sample (its byte length is already checked against its tokens)."""
+    if not sample.HasField("rollout_routed_experts"):
+        if replay:
+            raise BadGroupError(
+                "missing_routing", f"{where} has no rollout_routed_experts, and the job replays routing (R3)"
+            )
+        return None
+    routed = sample.rollout_routed_experts
+    name = f"{where}.rollout_routed_experts"
+    if routing is None:
+        raise BadGroupError("bad_routing", f"{name} is set but the model has no MoE layers")
+    if (routed.num_layers, routed.top_k) != (routing.num_layers, routing.top_k):
+        raise BadGroupError(
+            "bad_routing",
+            f"{name} has {routed.num_layers} layers x top {routed.top_k}, the model routes "
+            f"{routing.num_layers} MoE layers x top {routing.top_k}",
+        )
+    ids = unpack(routed)
+    problem = _expert_id_problem(ids, routing)
+    if problem is not None:
+        raise BadGroupError("bad_routing", f"{name} {problem}")
+    return ids
+
+
+def _expert_id_problem(ids: array[int], routing: RoutingShape) -> str | None:
+    """What the model's replay would refuse: ids outside [0, num_experts), an expert twice in one top-k.
+    Vectorised (a sample holds len(tokens) x layers x top_k ids)."""
+    if not ids:
+        return None
+    import torch
+
+    rows = torch.frombuffer(ids, dtype=torch.int32).view(-1, routing.top_k)
+    low, high = int(rows.min()), int(rows.max())
+    if low < 0 or high >= routing.num_experts:
+        return f"holds expert ids in [{low}, {high}], the model has {routing.num_experts} experts"
+    ordered = rows.sort(dim=1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        return "repeats an expert within a position's top-k"
+    return None
+
+
 def samples_from_group(
-    group: common_pb2.Group, group_index: int, *, vocab_size: int, max_positions: int
+    group: common_pb2.Group,
+    group_index: int,
+    *,
+    vocab_size: int,
+    max_positions: int,
+    routing: RoutingShape | None = None,
+    routing_replay: bool = False,
 ) -> list[TrainSample]:
-    """Validated samples of one group; raises BadGroupError."""
+    """Validated samples of one group; raises BadGroupError. `routing`: the model's MoE routing shape (None: a
+    dense model); `routing_replay`: whether the job replays routing (trainable samples must then carry it)."""
     if not group.samples:
         raise BadGroupError("empty_group", f"group {group.group_id!r} has no samples")
     samples = []
     for index, sample in enumerate(group.samples):
-        _check_sample(sample, f"samples[{index}]", vocab_size, max_positions)
+        where = f"samples[{index}]"
+        _check_sample(sample, where, vocab_size, max_positions)
+        trainable = sample.status in TRAINABLE_STATUSES
+        routed = _routed_experts(sample, where, routing, routing_replay) if trainable else None
         versions = [span.weight_version for span in sample.weight_versions]
         samples.append(
             TrainSample(
@@ -116,10 +180,11 @@ def samples_from_group(
                 loss_mask=list(sample.loss_mask),
                 rollout_logprobs=list(sample.rollout_logprobs),
                 reward=float(sample.reward),
-                trainable=sample.status in TRAINABLE_STATUSES,
+                trainable=trainable,
                 min_version=min(versions) if versions else None,
                 max_version=max(versions) if versions else None,
                 span_versions=tuple(versions),
+                routed_experts=routed,
             )
         )
     return samples

@@ -207,6 +207,8 @@ class Trainer:
             "rollout_reward_mean": self.admission.counts.rollout_reward_mean,
             "wait_data_s": self._wait_data_s,
         }
+        if self.shape.routing is not None:  # MoE: whether the logprob diff above is with or without R3
+            values["routing_replay"] = float(self.admission.routing_replay)
         if result.num_optimizer_steps == 0:
             self._record_skip(values, groups)
             return False

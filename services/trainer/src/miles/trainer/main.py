@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from miles.common.auth import BearerAuth
+from miles.common.errors import ConfigError
 from miles.common.grpc_server import build_grpc_server
 from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
@@ -154,4 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_tracing(SERVICE)
     if not settings.job_id:
         sys.exit(asyncio.run(serve(settings, Metrics(SERVICE), None, EventLog(settings.events_kept))))
-    sys.exit(run_job(settings))
+    try:
+        code = run_job(settings)
+    except ConfigError as exc:  # a recipe the model cannot run (e.g. routing_replay true with a dense model)
+        log.error("cannot start", extra={"error": exc.message, "field": exc.field})
+        raise SystemExit(f"miles-trainer: {exc.message}") from None
+    sys.exit(code)

@@ -2,11 +2,14 @@
 
 Per-step values are gauges named after the step statistic (e.g. `miles_trainer_loss`,
 `miles_trainer_train_rollout_logprob_abs_diff_max`); every statistic of a step, including ones not exported
-here, is also in the step event and in Status.last_step_metrics. Labels are bounded: phase and reason only.
+here, is also in the step event and in Status.last_step_metrics. Labels are bounded: phase, reason, and the MoE
+layer index of `routing_agreement_ratio` (one series per MoE layer of the model; from the step statistics
+`routing_agreement_layer_<i>`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from miles.common.telemetry import Metrics
@@ -46,7 +49,9 @@ STEP_GAUGES: dict[str, str] = {
     "num_optimizer_steps": "Optimizer steps of the last trainer step (ppo_epochs x minibatches with signal)",
     "num_optimizer_steps_skipped": "Optimizer steps the last trainer step skipped (minibatches without signal)",
     "zero_signal_fraction": "Fraction of the valid groups pulled for the last step whose rewards were all equal",
+    "routing_replay": "MoE models: 1 when the trainer replays the rollout's routing (R3), 0 when it routes itself",
 }
+_LAYER_AGREEMENT = re.compile(r"routing_agreement_layer_(\d+)")
 
 
 class TrainerMetrics:
@@ -87,6 +92,12 @@ class TrainerMetrics:
             "group_staleness_versions", "Staleness of consumed groups", buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32)
         )
         self.step_gauges = {name: metrics.gauge(name, doc) for name, doc in STEP_GAUGES.items()}
+        self.routing_agreement = metrics.gauge(
+            "routing_agreement_ratio",
+            "MoE: fraction of the last step's routed token positions whose trainer top-k experts equal the rollout's, "
+            "per MoE layer (0-based among the MoE layers)",
+            ["layer"],
+        )
         for reason in REJECT_REASONS:
             self.groups_rejected.labels(reason)
         self.checkpoint_step.set(-1)
@@ -115,3 +126,7 @@ class TrainerMetrics:
         for name, gauge in self.step_gauges.items():
             if name in values:
                 gauge.set(values[name])
+        for name, value in values.items():
+            match = _LAYER_AGREEMENT.fullmatch(name)
+            if match is not None:
+                self.routing_agreement.labels(match.group(1)).set(value)

@@ -26,6 +26,7 @@ import torch
 
 from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.backends.base import TrainBackend
+from miles.trainer.backends.common import is_routed
 from miles.trainer.batch import TrainSample
 from miles.trainer.corrections import compute_correction
 from miles.trainer.losses import aggregation_weights, kl_penalty, ppo_clip_loss, sft_loss
@@ -148,6 +149,7 @@ def micro_batch_loss(
         token_sum_divisor=loss_config.token_sum_divisor,
     )
     add_mismatch_stats(proximal, flat, stats)
+    add_routing_stats(outputs.routing_agreement, samples, stats)
     stats.add_masked("entropy", outputs.entropy, mask)
     stats.add_mean("num_loss_tokens", float(mask.sum()), 1)
     reference = context.reference_logprobs
@@ -174,6 +176,22 @@ def micro_batch_loss(
     loss = (per_token * weights).sum()
     stats.add_total("loss", float(loss.detach()))
     return loss, reference
+
+
+def add_routing_stats(agreement: torch.Tensor | None, samples: Sequence[TrainSample], stats: StepStats) -> None:
+    """MoE routing agreement (R3): per MoE layer (`routing_agreement_layer_<i>`) and over all layers
+    (`routing_agreement`), the fraction of routed positions whose trainer top-k set equals the recorded one;
+    exact means over the micro-batches, each weighted by its routed positions (rows 0..T-2 of every sample
+    carrying routing)."""
+    if agreement is None:
+        return
+    num_positions = sum(s.num_tokens - 1 for s in samples if is_routed(s))
+    if num_positions == 0:
+        return
+    fractions = agreement.detach().double().tolist()
+    for layer, fraction in enumerate(fractions):
+        stats.add_mean(f"routing_agreement_layer_{layer}", fraction * num_positions, num_positions)
+    stats.add_mean("routing_agreement", sum(fractions) * num_positions, len(fractions) * num_positions)
 
 
 def add_mismatch_stats(proximal: torch.Tensor, flat: Flat, stats: StepStats) -> None:

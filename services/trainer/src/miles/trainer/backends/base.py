@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from miles.common.contracts.routing import RoutingShape
+from miles.common.errors import ConfigError
 from miles.common.jobspec.trainer import OptimizerConfig, TrainConfig
 from miles.trainer.batch import TrainSample
 
@@ -108,15 +109,35 @@ def lr_multiplier(step: int, config: OptimizerConfig, num_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def resolve_routing_replay(train: TrainConfig, routing: RoutingShape | None) -> bool:
+    """Whether the job replays recorded MoE routing (R3): `train.routing_replay`, or when it is None, whether the
+    model is MoE. Raises ConfigError for `true` with a dense model (there is nothing to replay, and the samples
+    would be refused for lacking routing the engine cannot record)."""
+    if train.routing_replay is None:
+        return routing is not None
+    if train.routing_replay and routing is None:
+        raise ConfigError(
+            "train.routing_replay is true but the model has no MoE layers: routing replay (R3) needs a "
+            "mixture-of-experts model (leave it unset or false for a dense model)",
+            field="train.routing_replay",
+        )
+    return train.routing_replay
+
+
 def make_backend(settings: TrainerSettings, train: TrainConfig | None = None) -> TrainBackend:
-    """The backend named by settings.backend, with its model loaded from settings.model_path."""
+    """The backend named by settings.backend, with its model loaded from settings.model_path. Raises ConfigError
+    when the recipe cannot work with that model (routing replay on a dense model)."""
     train = train or settings.train
+    backend: TrainBackend
     if settings.backend == "torch":
         from miles.trainer.backends.torch_backend import TorchBackend
 
-        return TorchBackend.from_settings(settings, train)
-    if settings.backend == "megatron":
+        backend = TorchBackend.from_settings(settings, train)
+    elif settings.backend == "megatron":
         from miles.trainer.backends.megatron_backend import MegatronBackend
 
-        return MegatronBackend.from_settings(settings, train)
-    raise ValueError(f"unknown backend {settings.backend!r}")
+        backend = MegatronBackend.from_settings(settings, train)
+    else:
+        raise ValueError(f"unknown backend {settings.backend!r}")
+    resolve_routing_replay(train, backend.shape.routing)
+    return backend

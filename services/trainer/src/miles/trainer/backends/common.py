@@ -26,14 +26,21 @@ class PackedRows:
     targets: torch.Tensor
 
 
-def packed_rows(samples: Sequence[TrainSample]) -> PackedRows:
+def is_routed(sample: TrainSample) -> bool:
+    """Whether the sample carries routing for at least one position (a 1-token sample has none to carry)."""
+    return sample.routed_experts is not None and sample.num_tokens > 1
+
+
+def packed_rows(samples: Sequence[TrainSample], *, trim_routed: bool = False) -> PackedRows:
+    """With `trim_routed`, a sample carrying routing (`is_routed`) is fed without its last token: no logprob
+    depends on that position, and its recorded routing covers exactly the positions fed (0..T-2)."""
     token_ids: list[torch.Tensor] = []
     rows: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
     offset = 0
     for sample in samples:
         ids = torch.tensor(sample.tokens, dtype=torch.long)
-        token_ids.append(ids)
+        token_ids.append(ids[:-1] if trim_routed and is_routed(sample) else ids)
         num_tokens = ids.shape[0]
         # A sample whose response starts at 0 has no row for its first token: it is scored from row 0 (its mask
         # is 0, batch.py refuses a trainable one), so shapes stay aligned.
@@ -43,7 +50,7 @@ def packed_rows(samples: Sequence[TrainSample]) -> PackedRows:
             torch.cat([torch.full((extra,), offset), torch.arange(offset + first - 1, offset + num_tokens - 1)])
         )
         targets.append(ids[sample.response_start :])
-        offset += num_tokens
+        offset += token_ids[-1].shape[0]
     return PackedRows(
         token_ids=token_ids,
         rows=torch.cat(rows).long() if rows else torch.zeros(0, dtype=torch.long),

@@ -11,6 +11,9 @@ methods. On a machine without CUDA `cpu_compat.apply_cpu_compat()` is applied fi
   TP = PP = 1 only (a multi-rank Megatron driver with sharded weight mapping is not built) and refuses others.
 - Gradient checkpointing maps to Megatron's full per-layer recomputation, which needs CUDA RNG states: refused
   on the CPU.
+- Qwen3-MoE (`megatron_moe.py`): megatron-core's MoE layers (router, SequentialMLP experts, EP = 1) on the sparse
+  layers, dense MLPs on the others; recorded routing is replayed through megatron-core's RouterReplay, and
+  `TokenOutputs.routing_agreement` says how often the router's own top-k matched the recorded one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F  # noqa: N812
 from miles.common.errors import ConfigError
 from miles.common.jobspec.trainer import TrainConfig
 from miles.model import ModelConfig, read_safetensors_dir
-from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend
+from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend, resolve_routing_replay
 from miles.trainer.backends.common import (
     build_optimizer,
     full_optimizer_state,
@@ -33,6 +36,13 @@ from miles.trainer.backends.common import (
 )
 from miles.trainer.backends.cpu_compat import apply_cpu_compat
 from miles.trainer.backends.megatron_mapping import AttentionLayout, hf_to_megatron, megatron_to_hf
+from miles.trainer.backends.megatron_moe import (
+    RouterReplays,
+    decoder_block_spec,
+    moe_config_fields,
+    recorded_routing,
+)
+from miles.trainer.backends.torch_routing import model_routing_shape
 from miles.trainer.batch import TrainSample
 from miles.trainer.losses import entropy_from_logprobs
 
@@ -52,7 +62,8 @@ def _ensure_model_parallel(tp: int, pp: int) -> None:
 
 
 def build_gpt_model(config: ModelConfig, train: TrainConfig, *, tp: int = 1, pp: int = 1) -> Any:
-    """A GPTModel with the architecture of `config` (weights uninitialised until loaded)."""
+    """A GPTModel with the architecture of `config` (weights uninitialised until loaded); MoE layers replay
+    recorded routing when `train.routing_replay` resolves to on."""
     from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped]
     from megatron.core.transformer.transformer_config import TransformerConfig  # type: ignore[import-untyped]
@@ -88,10 +99,12 @@ def build_gpt_model(config: ModelConfig, train: TrainConfig, *, tp: int = 1, pp:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         **recompute,
+        **moe_config_fields(config, replay=resolve_routing_replay(train, model_routing_shape(config))),
     )
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
     return GPTModel(
         config=transformer_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm"),
+        transformer_layer_spec=decoder_block_spec(config, layer_spec) if config.num_moe_layers else layer_spec,
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
@@ -118,19 +131,33 @@ class MegatronBackend(TrainBackend):
             raise ConfigError(
                 "megatron backend: gradient checkpointing needs CUDA", field="train.gradient_checkpointing"
             )
+        self.replay = resolve_routing_replay(train, model_routing_shape(config))
+        if self.replay and train.gradient_checkpointing:
+            raise ConfigError(
+                "megatron backend: gradient checkpointing with MoE routing replay is not driven (recomputation "
+                "would need RouterReplay's backward action)",
+                field="train.gradient_checkpointing",
+            )
         _ensure_model_parallel(tp, pp)
         self.config = config
         self.train_config = train
         self.layout = AttentionLayout(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.shape = ModelShape(vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
+        self.shape = ModelShape(
+            vocab_size=config.vocab_size,
+            max_positions=config.max_position_embeddings,
+            routing=model_routing_shape(config),
+        )
         self.device = torch.device("cpu" if on_cpu else "cuda")
         self.model: Any = build_gpt_model(config, train, tp=tp, pp=pp).to(self.device)
         self.load_hf_state_dict(hf_tensors)
+        self.routers = self._routers(self.model)
         self.reference: Any = None
+        self.reference_routers: RouterReplays | None = None
         if train.loss.kl_coef > 0:
             self.reference = build_gpt_model(config, train, tp=tp, pp=pp).to(self.device)
             self._load_into(self.reference, hf_tensors)
             self.reference.requires_grad_(False)
+            self.reference_routers = self._routers(self.reference)
         self.model.train()
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), train.optimizer, train.num_steps)
 
@@ -145,8 +172,14 @@ class MegatronBackend(TrainBackend):
             pp=settings.megatron.pipeline_model_parallel_size,
         )
 
-    def _logits(self, model: Any, samples: Sequence[TrainSample]) -> torch.Tensor:
-        """[batch, max_len, vocab] logits of the right-padded micro-batch."""
+    def _routers(self, model: Any) -> RouterReplays | None:
+        return RouterReplays(model, self.shape.routing) if self.shape.routing is not None else None
+
+    def _logits(
+        self, model: Any, routers: RouterReplays | None, samples: Sequence[TrainSample]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[batch, max_len, vocab] logits of the right-padded micro-batch, and the per-MoE-layer routing agreement
+        (None for a dense model or samples without recorded routing)."""
         max_len = max(len(s.tokens) for s in samples)
         ids = torch.zeros((len(samples), max_len), dtype=torch.long)
         for row, sample in enumerate(samples):
@@ -154,11 +187,18 @@ class MegatronBackend(TrainBackend):
         positions = torch.arange(max_len).unsqueeze(0).expand(len(samples), -1)
         causal_mask = torch.triu(torch.ones(max_len, max_len, dtype=torch.bool), diagonal=1)[None, None]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.train_config.dtype == "bfloat16")
-        with autocast:
-            logits: torch.Tensor = model(
-                ids.to(self.device), positions.to(self.device), attention_mask=causal_mask.to(self.device)
-            )
-        return logits.float()
+
+        def run() -> torch.Tensor:
+            with autocast:
+                logits: torch.Tensor = model(
+                    ids.to(self.device), positions.to(self.device), attention_mask=causal_mask.to(self.device)
+                )
+            return logits.float()
+
+        if routers is None:
+            return run(), None
+        routing = recorded_routing(samples, max_len, routers.shape)
+        return routers.run(run, routing, replay=self.replay)
 
     def _token_outputs(
         self, logits: torch.Tensor, samples: Sequence[TrainSample], temperature: float, entropy_grad: bool
@@ -176,14 +216,14 @@ class MegatronBackend(TrainBackend):
         return torch.cat(picked).cpu(), torch.cat(entropies).cpu()
 
     def forward(self, samples: Sequence[TrainSample], *, temperature: float, entropy_grad: bool) -> TokenOutputs:
-        logits = self._logits(self.model, samples)
+        logits, agreement = self._logits(self.model, self.routers, samples)
         logprobs, entropy = self._token_outputs(logits, samples, temperature, entropy_grad)
-        return TokenOutputs(logprobs=logprobs, entropy=entropy)
+        return TokenOutputs(logprobs=logprobs, entropy=entropy, routing_agreement=agreement)
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
         assert self.reference is not None, "no reference model: kl_coef is 0"
-        logits = self._logits(self.reference, samples)
+        logits, _ = self._logits(self.reference, self.reference_routers, samples)
         return self._token_outputs(logits, samples, temperature, False)[0]
 
     def zero_grad(self) -> None:

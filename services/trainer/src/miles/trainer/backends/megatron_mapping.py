@@ -1,6 +1,7 @@
 """Hugging Face <-> Megatron-core tensor names and layouts for Llama-family decoders (Qwen3, Qwen2, Llama,
-Mistral), for a GPTModel built with the local layer spec at tensor-parallel size 1. Pure tensor code: no
-Megatron import, so it is unit-tested on its own.
+Mistral) and Qwen3-MoE, for a GPTModel built with the local layer spec at tensor-parallel size 1 (MoE layers:
+SequentialMLP experts at expert-parallel size 1). Pure tensor code: no Megatron import, so it is unit-tested on
+its own.
 
 | Hugging Face                                   | Megatron-core                                            |
 |------------------------------------------------|----------------------------------------------------------|
@@ -13,11 +14,20 @@ Megatron import, so it is unit-tested on its own.
 | model.layers.i.post_attention_layernorm.weight | decoder.layers.i.pre_mlp_layernorm.weight                |
 | model.layers.i.mlp.{gate,up}_proj.weight       | decoder.layers.i.mlp.linear_fc1.weight = [gate; up]      |
 | model.layers.i.mlp.down_proj.weight            | decoder.layers.i.mlp.linear_fc2.weight                   |
+| model.layers.i.mlp.gate.weight (MoE router)    | decoder.layers.i.mlp.router.weight                       |
+| model.layers.i.mlp.experts.e.{gate,up}_proj    | decoder.layers.i.mlp.experts.local_experts.e.linear_fc1  |
+|   .weight (MoE)                                |   .weight = [gate; up]                                   |
+| model.layers.i.mlp.experts.e.down_proj.weight  | decoder.layers.i.mlp.experts.local_experts.e.linear_fc2  |
+|                                                |   .weight                                                |
 | model.norm.weight                              | decoder.final_layernorm.weight                           |
 | lm_head.weight (untied models only)            | output_layer.weight                                      |
 
 (*) Megatron fuses q, k and v grouped by key/value head: for each of the `num_kv_heads` groups, that group's
 `heads_per_group` query heads, then its key head, then its value head (each `head_dim` rows).
+
+A layer is mapped as MoE when its router is among the tensors (`mlp.gate.weight` one way, `mlp.router.weight`
+the other) and as a dense MLP otherwise, so a Qwen3-MoE checkpoint's `mlp_only_layers` / `decoder_sparse_step`
+dense layers map like any dense layer; the expert count is the router's row count.
 """
 
 from __future__ import annotations
@@ -96,10 +106,41 @@ def hf_to_megatron(
                     tensors[f"{attn}v_proj.{kind}"],
                     layout,
                 )
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-            [tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]], dim=0
-        )
+        out |= _mlp_to_megatron(tensors, hf + "mlp.", mg + "mlp.")
     return out
+
+
+def _mlp_to_megatron(tensors: dict[str, torch.Tensor], hf: str, mg: str) -> dict[str, torch.Tensor]:
+    """One layer's MLP (dense, or router + experts); `down_proj` of a dense MLP is renamed with the layer."""
+    router = tensors.get(hf + "gate.weight")
+    if router is None:
+        return {mg + "linear_fc1.weight": torch.cat([tensors[hf + "gate_proj.weight"], tensors[hf + "up_proj.weight"]])}
+    out = {mg + "router.weight": router}
+    for e in range(router.shape[0]):
+        expert, local = f"{hf}experts.{e}.", f"{mg}experts.local_experts.{e}."
+        out[local + "linear_fc1.weight"] = torch.cat(
+            [tensors[expert + "gate_proj.weight"], tensors[expert + "up_proj.weight"]]
+        )
+        out[local + "linear_fc2.weight"] = tensors[expert + "down_proj.weight"]
+    return out
+
+
+def _mlp_to_hf(tensors: dict[str, torch.Tensor], mg: str, hf: str) -> dict[str, torch.Tensor]:
+    """Inverse of _mlp_to_megatron."""
+    router = tensors.get(mg + "router.weight")
+    if router is None:
+        return _split_fc1(tensors[mg + "linear_fc1.weight"], hf)
+    out = {hf + "gate.weight": router}
+    for e in range(router.shape[0]):
+        expert, local = f"{hf}experts.{e}.", f"{mg}experts.local_experts.{e}."
+        out |= _split_fc1(tensors[local + "linear_fc1.weight"], expert)
+        out[expert + "down_proj.weight"] = tensors[local + "linear_fc2.weight"]
+    return out
+
+
+def _split_fc1(fc1: torch.Tensor, hf: str) -> dict[str, torch.Tensor]:
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return {hf + "gate_proj.weight": gate.contiguous(), hf + "up_proj.weight": up.contiguous()}
 
 
 def megatron_to_hf(
@@ -123,7 +164,5 @@ def megatron_to_hf(
                 out[f"{hf}self_attn.q_proj.{kind}"] = q
                 out[f"{hf}self_attn.k_proj.{kind}"] = k
                 out[f"{hf}self_attn.v_proj.{kind}"] = v
-        gate, up = torch.chunk(tensors[mg + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[hf + "mlp.up_proj.weight"] = up.contiguous()
+        out |= _mlp_to_hf(tensors, mg + "mlp.", hf + "mlp.")
     return out

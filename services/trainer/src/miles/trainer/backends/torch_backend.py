@@ -9,6 +9,9 @@ a recomputed logprob is bit-identical to what a deterministic engine reported fo
 - dtype: float32, or bfloat16 autocast over float32 master weights (logprobs then differ from the engine's).
 - Gradient checkpointing: each LM-head/log-softmax block (vocabulary-sized, the largest activation of a small
   model) and each decoder layer's row-wise parts are recomputed in backward (`torch.utils.checkpoint`).
+- MoE routing replay (R3, `torch_routing.py`): a sample carrying routing is fed without its last token and, when
+  the job replays, with its recorded experts (policy, reference model and the pi_old scoring pass alike); the
+  router's own picks give the routing-agreement statistic, replayed or not.
 - FSDP2 (`fully_shard`) when world_size > 1, gloo on the CPU, nccl on GPUs. The whole policy is one FSDP unit
   (miles.model calls its layers' row-wise functions directly, so per-layer units would never see a forward
   hook): parameters are all-gathered for the forward and gradients reduce-scattered after backward.
@@ -28,13 +31,22 @@ from torch.utils.checkpoint import checkpoint
 
 from miles.common.jobspec.trainer import TrainConfig
 from miles.model import CausalLM, Segment, block_logprobs, load_model, load_named_tensors, row_blocks
-from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend
+from miles.model.moe import SparseMoeBlock
+from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend, resolve_routing_replay
 from miles.trainer.backends.common import (
+    PackedRows,
     build_optimizer,
     full_optimizer_state,
     global_grad_norm,
     load_full_optimizer_state,
     packed_rows,
+)
+from miles.trainer.backends.torch_routing import (
+    RecordedRouting,
+    model_routing_shape,
+    recorded_routing,
+    replay_ids,
+    routing_agreement,
 )
 from miles.trainer.batch import TrainSample
 from miles.trainer.losses import entropy_from_logprobs
@@ -66,7 +78,8 @@ def enable_layer_checkpointing(lm: CausalLM) -> None:
 
 
 class PackedPolicy(nn.Module):
-    """The module FSDP wraps: one packed forward from token ids to per-token logprobs and entropies."""
+    """The module FSDP wraps: one packed forward from token ids to per-token logprobs and entropies, and the
+    router's own top-k of every fed row ((rows, num_moe_layers, top_k) int32; (rows, 0, 0) for a dense model)."""
 
     def __init__(self, lm: CausalLM, *, deterministic: bool, bf16: bool, checkpointing: bool) -> None:
         super().__init__()
@@ -74,6 +87,8 @@ class PackedPolicy(nn.Module):
         self.deterministic = deterministic
         self.bf16 = bf16
         self.checkpointing = checkpointing
+        # A plain list: the blocks stay registered once, under lm.
+        self.moe_blocks: list[SparseMoeBlock] = [m for m in lm.modules() if isinstance(m, SparseMoeBlock)]
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.bf16:
@@ -87,12 +102,27 @@ class PackedPolicy(nn.Module):
         targets: torch.Tensor,
         temperature: float,
         entropy_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        routed_experts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`routed_experts`: (fed rows, num_moe_layers, top_k) expert ids to replay, or None (own routing)."""
         device = self.lm.lm_head_weight.device
+        replay = None if routed_experts is None else routed_experts.to(device)
         with self._autocast():
             segments = [Segment(ids.to(device)) for ids in token_ids]
-            hidden = self.lm.forward_segments(segments, deterministic=self.deterministic)[rows.to(device)]
-            return self._token_logprobs(hidden, targets.to(device), temperature, entropy_grad)
+            output = self.lm.forward_routed(segments, deterministic=self.deterministic, routed_experts=replay)
+            hidden = output.hidden[rows.to(device)]
+            logprobs, entropy = self._token_logprobs(hidden, targets.to(device), temperature, entropy_grad)
+            if self.moe_blocks and torch.is_grad_enabled():
+                logprobs = logprobs + 0.0 * self._expert_anchor()
+            return logprobs, entropy, output.routed_experts
+
+    def _expert_anchor(self) -> torch.Tensor:
+        """A zero-weighted sum over every expert and router parameter, added to the logprobs so that each gets a
+        gradient (zero when unused) in every backward. Without it, an expert no token of a micro-batch chose
+        has no gradient on that rank, FSDP2 leaves it out of its gradient reduce-scatter and the ranks' collectives
+        no longer match (and AdamW would treat it differently than Megatron's always-present expert gradients)."""
+        sums = [parameter.sum() for block in self.moe_blocks for parameter in block.parameters()]
+        return torch.stack(sums).sum().float()
 
     def _token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
@@ -120,7 +150,12 @@ class TorchBackend(TrainBackend):
     def __init__(self, lm: CausalLM, train: TrainConfig, *, reference: CausalLM | None, distributed: bool) -> None:
         self.train_config = train
         self.distributed = distributed
-        self.shape = ModelShape(vocab_size=lm.config.vocab_size, max_positions=lm.config.max_position_embeddings)
+        self.shape = ModelShape(
+            vocab_size=lm.config.vocab_size,
+            max_positions=lm.config.max_position_embeddings,
+            routing=model_routing_shape(lm.config),
+        )
+        self.routing_replay = resolve_routing_replay(train, self.shape.routing)
         if train.gradient_checkpointing:
             enable_layer_checkpointing(lm)
         self.policy = PackedPolicy(
@@ -148,20 +183,35 @@ class TorchBackend(TrainBackend):
         return cls(lm, train, reference=reference, distributed=settings.world_size > 1)
 
     def forward(self, samples: Sequence[TrainSample], *, temperature: float, entropy_grad: bool) -> TokenOutputs:
-        packed = packed_rows(samples)
-        logprobs, entropy = self.policy(packed.token_ids, packed.rows, packed.targets, temperature, entropy_grad)
-        return TokenOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu())
+        packed, recorded, replay = self._pack(samples)
+        logprobs, entropy, picks = self.policy(
+            packed.token_ids, packed.rows, packed.targets, temperature, entropy_grad, replay
+        )
+        agreement = None if recorded is None else routing_agreement(picks, recorded)
+        return TokenOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(), routing_agreement=agreement)
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
         assert self.reference is not None, "no reference model: kl_coef is 0"
-        packed = packed_rows(samples)
+        packed, _, replay = self._pack(samples)
         reference = PackedPolicy(
             self.reference, deterministic=self.policy.deterministic, bf16=self.policy.bf16, checkpointing=False
         )
-        logprobs, _ = reference(packed.token_ids, packed.rows, packed.targets, temperature, False)
+        logprobs, _, _ = reference(packed.token_ids, packed.rows, packed.targets, temperature, False, replay)
         result: torch.Tensor = logprobs.cpu()
         return result
+
+    def _pack(self, samples: Sequence[TrainSample]) -> tuple[PackedRows, RecordedRouting | None, torch.Tensor | None]:
+        """The packed micro-batch, where its recorded routing sits, and the ids to replay (None: own routing)."""
+        packed = packed_rows(samples, trim_routed=True)
+        routing = self.shape.routing
+        if routing is None:
+            return packed, None, None
+        recorded = recorded_routing(samples, packed.token_ids, routing)
+        if recorded is None or not self.routing_replay:
+            return packed, recorded, None
+        num_rows = sum(ids.shape[0] for ids in packed.token_ids)
+        return packed, recorded, replay_ids(recorded, num_rows, routing)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
