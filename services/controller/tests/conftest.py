@@ -66,12 +66,15 @@ class FakeBackend:
     fail_start: str = ""
     auto_step: bool = True
     closed: int = 0
+    record_routing: dict[str, bool | None] = field(default_factory=dict)
+    """The `record_routing` each job's last start was given (the session server's answer at registration)."""
 
     async def check_spec(self, spec: JobSpec) -> None:
         self.calls.append(("check_spec", spec.name))
 
-    async def start(self, job_id: str, spec: JobSpec) -> None:
+    async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
         self.calls.append(("start", job_id))
+        self.record_routing[job_id] = record_routing
         if self.fail_start:
             from miles.common.errors import InvalidArgumentError
 

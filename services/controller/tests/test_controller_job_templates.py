@@ -24,10 +24,13 @@ from miles.controller.job_templates import (
     engine_kind_of,
     instantiate_job_templates,
     job_spec_config_map,
+    names_flag,
     owned_by,
+    with_engine_args,
 )
 
 CHART_DIR = Path(__file__).resolve().parents[3] / "helm" / "miles"
+ROUTING_FLAG = "--enable-return-routed-experts"
 JOB = JobTemplateParams(
     job_id="math-3",
     model_path="/models/qwen3-8b",
@@ -195,3 +198,52 @@ def test_the_templates_say_which_engine_they_run() -> None:
     assert engine_kind_of(chart_templates()) == "cpu"
     assert engine_kind_of(chart_templates("jobTemplates.engine.kind=sglang")) == "sglang"
     assert engine_kind_of(SMALL_TEMPLATES) == ""
+
+
+def _engine_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (engine,) = [
+        o for o in by_kind(objects, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+    ]
+    return engine
+
+
+def _engine_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = _engine_deployment(objects)["spec"]["template"]["spec"]
+    return pod
+
+
+def test_a_flag_is_named_by_itself_its_value_form_or_its_negation() -> None:
+    for args in ([ROUTING_FLAG], ["--x", f"{ROUTING_FLAG}=true"], ["--no-enable-return-routed-experts"]):
+        assert names_flag(args, ROUTING_FLAG), args
+    for args in ([], ["--enable-return-routed-experts-extra"], ["--model-path", "/m"]):
+        assert not names_flag(args, ROUTING_FLAG), args
+
+
+@pytest.mark.integration  # helm
+@pytest.mark.parametrize("kind", ["cpu", "sglang"])
+def test_per_job_engine_args_go_once_to_the_engine_container_and_the_charts_extra_args_win(kind: str) -> None:
+    objects = instantiate_job_templates(chart_templates(f"jobTemplates.engine.kind={kind}"), JOB)
+    flagged = with_engine_args(objects, [ROUTING_FLAG])
+    before, after = _engine_pod(objects), _engine_pod(flagged)
+    (engine_before,) = [c for c in before["containers"] if c["name"] == "engine"]
+    (engine_after,) = [c for c in after["containers"] if c["name"] == "engine"]
+    assert engine_after["args"] == [*engine_before["args"], ROUTING_FLAG]
+    assert ROUTING_FLAG not in engine_before["args"]  # the input is not changed
+    assert [c for c in after["containers"] if c["name"] != "engine"] == [
+        c for c in before["containers"] if c["name"] != "engine"
+    ]
+    assert sum(a != b for a, b in zip(objects, flagged, strict=True)) == 1  # only the engine Deployment
+    kubernetes_validate.validate(_engine_deployment(flagged), "1.34.0", strict=True)
+    assert with_engine_args(flagged, [ROUTING_FLAG]) == flagged  # already there: not twice
+    chart_named = instantiate_job_templates(
+        chart_templates(f"jobTemplates.engine.kind={kind}", f"jobTemplates.engine.{kind}.extraArgs[0]={ROUTING_FLAG}"),
+        JOB,
+    )
+    (engine,) = [c for c in _engine_pod(chart_named)["containers"] if c["name"] == "engine"]
+    assert engine["args"].count(ROUTING_FLAG) == 1
+    assert with_engine_args(chart_named, [ROUTING_FLAG]) == chart_named
+
+
+def test_engine_args_without_an_engine_container_fail_loudly() -> None:
+    with pytest.raises(InvalidArgumentError, match="no engine Deployment with a container named 'engine'"):
+        with_engine_args(instantiate_job_templates(SMALL_TEMPLATES, JOB), [ROUTING_FLAG])

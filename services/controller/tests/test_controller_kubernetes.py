@@ -45,6 +45,7 @@ NAMESPACE = "miles"
 TEMPLATES = "miles-job-templates"
 _PATH_RE = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?$")
 WORKLOADS = {"deployments", "statefulsets"}
+ROUTING_FLAG = "--enable-return-routed-experts"
 
 
 def _status(code: int, reason: str, message: str) -> JSONResponse:
@@ -441,6 +442,47 @@ async def test_an_object_the_api_refuses_is_a_non_retryable_error(
         with pytest.raises(FailedPreconditionError, match="bogusField"):
             await backend.start("jk8s0000006", _spec(controller_kit))
         assert not any(obj["metadata"]["name"].endswith("-broken") for obj in api.of_job("jk8s0000006"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "record_routing", "chart_args", "num_flags"),
+    [
+        ("sglang", True, [], 1),
+        ("sglang", False, [], 0),
+        ("sglang", None, [], 0),
+        ("sglang", True, [ROUTING_FLAG], 1),
+        ("cpu", True, [], 1),
+        ("cpu", False, [], 0),
+    ],
+    ids=["moe", "dense", "unresolved", "chart-names-it", "cpu-moe", "cpu-dense"],
+)
+async def test_engines_of_a_job_that_records_routing_get_the_flag_once(
+    repo_root_module: Path,
+    controller_kit: Any,
+    kind: str,
+    record_routing: bool | None,
+    chart_args: list[str],
+    num_flags: int,
+) -> None:
+    """`record_routing` is the session server's answer at registration (the controller cannot read /models/tiny):
+    a MoE job's engine container runs with the flag exactly once, a dense job's without; the chart's extraArgs
+    naming it are not doubled."""
+    set_values = [f"jobTemplates.engine.kind={kind}"]
+    set_values += [f"jobTemplates.engine.{kind}.extraArgs[{i}]={arg}" for i, arg in enumerate(chart_args)]
+    objects = render_chart(repo_root_module / "helm" / "miles", set_values=set_values, namespace=NAMESPACE)
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == TEMPLATES]
+    engines = {"replicas": 1, "kind": kind, "gpus_per_replica": 1 if kind == "sglang" else 0}
+    spec = _spec(controller_kit, resources={"engines": engines})
+    async with fake_cluster(dict(config_map["data"])) as (api, _, backend):
+        await backend.start("jk8sr3" + kind, spec, record_routing=record_routing)
+        (engine,) = [
+            o
+            for o in api.of_job("jk8sr3" + kind)
+            if o["kind"] == "Deployment" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+        ]
+    containers = {c["name"]: c for c in engine["spec"]["template"]["spec"]["containers"]}
+    assert containers["engine"]["args"].count(ROUTING_FLAG) == num_flags
+    assert all(ROUTING_FLAG not in c.get("args", []) for name, c in containers.items() if name != "engine")
 
 
 async def test_controller_runs_a_job_to_success_on_the_kubernetes_backend(

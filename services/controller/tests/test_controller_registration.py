@@ -91,13 +91,13 @@ async def test_job_is_registered_before_the_backend_starts_and_unregistered_on_d
     seen_at_start: dict[str, Any] = {}
 
     class CheckingBackend(kit.FakeBackend):  # type: ignore[misc, name-defined]
-        async def start(self, job_id: str, spec: JobSpec) -> None:
+        async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
             async with httpx.AsyncClient() as http:
                 seen_at_start["config"] = (
                     await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)
                 ).json()
             seen_at_start["buffer"] = await _buffer_knows(shared_services["buffer_address"], job_id)
-            await super().start(job_id, spec)
+            await super().start(job_id, spec, record_routing=record_routing)
 
     settings = kit.make_settings(redis_url, session_operator_token=OPERATOR_TOKEN, **shared_services)
     body = kit.job_spec_body(num_steps=2)
@@ -132,13 +132,15 @@ async def test_unreachable_shared_service_is_retried_then_fails_the_job(redis_ur
 async def test_routing_replay_reaches_the_session_servers_job_config(
     redis_url: str, shared_services: dict[str, str], model_dir: Path, moe_model_dir: Path, controller_kit: Any
 ) -> None:
-    """record_routing is train.routing_replay when set; unset, the session server resolves it from the model."""
+    """record_routing is train.routing_replay when set; unset, the session server resolves it from the model. The
+    value it answers is what the backend's start gets (for the engines' flag)."""
     kit = controller_kit
     session_url = shared_services["session_url"]
     operator = {"authorization": f"Bearer {OPERATOR_TOKEN}"}
     settings = kit.make_settings(redis_url, session_operator_token=OPERATOR_TOKEN, **shared_services)
     cases = [(model_dir, None, False), (moe_model_dir, None, True), (moe_model_dir, False, False)]
-    async with kit.running(settings, kit.FakeBackend()) as client, httpx.AsyncClient() as http:
+    backend = kit.FakeBackend()
+    async with kit.running(settings, backend) as client, httpx.AsyncClient() as http:
         for model, replay, recorded in cases:
             body = kit.job_spec_body(num_steps=1)
             body["model"] = {"path": str(model), "family": "qwen3"}
@@ -148,3 +150,4 @@ async def test_routing_replay_reaches_the_session_servers_job_config(
             await kit.wait_for_state(client, job_id, "SUCCEEDED")
             config = (await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)).json()
             assert config["record_routing"] is recorded, (model.name, replay, config)
+            assert backend.record_routing[job_id] is recorded, (model.name, replay)

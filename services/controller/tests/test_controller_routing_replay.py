@@ -1,6 +1,7 @@
 """Routing replay (R3) at the controller: `train.routing_replay` true with a model the controller can read as dense
 is a 422 naming the field at submission; the flag reaches the trainer's config file (local and Kubernetes), the
-session server's job config (`record_routing`, omitted when unset) and the local engines' command line."""
+session server's job config (`record_routing`, omitted when unset), whose answer `register` returns, and the local
+engines' command line (the Kubernetes engines' args: test_controller_kubernetes.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from miles.common.jobspec.trainer import TrainConfig
 from miles.controller.backends import local_layout
 from miles.controller.backends.base import PlatformTokens, SharedServices
 from miles.controller.backends.kubernetes import spec_files
+from miles.controller.backends.local import LocalJobBackend
 from miles.controller.errors import RoutingReplayNeedsMoEError
 from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, check_routing_replay, read_model_routing
 from miles.controller.shared import SharedServicesClient
@@ -111,6 +113,30 @@ async def test_session_job_config_carries_record_routing_only_when_set(replay: b
         assert body["record_routing"] is replay
 
 
+@pytest.mark.parametrize(
+    ("answer", "returned"),
+    [({"record_routing": True}, True), ({"record_routing": False}, False), ({}, None), (None, None)],
+    ids=["recorded", "not-recorded", "older-session-server", "no-session-server"],
+)
+async def test_register_returns_the_record_routing_the_session_server_resolved(
+    answer: dict[str, Any] | None, returned: bool | None
+) -> None:
+    """The PUT's answer is the stored config: its record_routing is what the engines follow (None: unknown)."""
+
+    def session_server(request: httpx.Request) -> httpx.Response:
+        assert request.method == "PUT" and "record_routing" not in json.loads(request.content)  # unset in the spec
+        return httpx.Response(200, json={"model_path": "/models/m", **(answer or {})})
+
+    session_url = "" if answer is None else "http://session.test"
+    client = SharedServicesClient(SharedServices("redis://r", "", "", session_url, "op", "", "", ""), timeout_s=5.0)
+    await client._http.aclose()
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(session_server))
+    try:
+        assert await client.register("job-1", spec_for("/models/m", None)) is returned
+    finally:
+        await client.close()
+
+
 @pytest.mark.parametrize("replay", REPLAY_VALUES, ids=["true", "false", "unset"])
 def test_trainer_config_files_carry_routing_replay(tmp_path: Path, replay: bool | None) -> None:
     spec = spec_for("/models/m", replay)
@@ -124,25 +150,74 @@ def test_trainer_config_files_carry_routing_replay(tmp_path: Path, replay: bool 
 
 
 @pytest.mark.parametrize(
-    ("model", "replay", "extra_args", "flagged"),
+    ("model", "replay", "resolved", "extra_args", "flagged"),
     [
-        ("moe", None, [], True),
-        ("moe", True, [], True),
-        ("moe", False, [], False),
-        ("dense", None, [], False),
-        ("absent", True, [], True),  # unreadable here: the engine itself refuses a dense model
-        ("moe", None, ["--no-enable-return-routed-experts"], False),
-        ("dense", None, [ENGINE_ROUTING_FLAG], True),
+        ("moe", None, None, [], True),
+        ("moe", True, None, [], True),
+        ("moe", False, None, [], False),
+        ("dense", None, None, [], False),
+        ("absent", True, None, [], True),  # unreadable here: the engine itself refuses a dense model
+        ("moe", None, None, ["--no-enable-return-routed-experts"], False),
+        ("dense", None, None, [ENGINE_ROUTING_FLAG], True),
+        ("absent", None, True, [], True),  # the session server read a MoE config.json this process cannot
+        ("absent", None, False, [], False),
+        ("absent", None, None, [], False),  # nobody could say: no flag (the engine would refuse it for dense)
+        ("dense", None, True, [], False),  # what this process reads itself decides, as before
+        ("absent", False, True, [], False),  # the spec's choice first
+        ("absent", None, True, ["--no-enable-return-routed-experts"], False),
     ],
-    ids=["moe-unset", "moe-true", "moe-false", "dense-unset", "unreadable-true", "extra-args-off", "extra-args-on"],
+    ids=[
+        "moe-unset",
+        "moe-true",
+        "moe-false",
+        "dense-unset",
+        "unreadable-true",
+        "extra-args-off",
+        "extra-args-on",
+        "unreadable-resolved-on",
+        "unreadable-resolved-off",
+        "unreadable-unresolved",
+        "readable-dense-resolved-on",
+        "unreadable-false-resolved-on",
+        "unreadable-resolved-on-extra-args-off",
+    ],
 )
 def test_local_engines_answer_routing_when_the_job_records_it(
-    tmp_path: Path, model: str, replay: bool | None, extra_args: list[str], flagged: bool
+    tmp_path: Path, model: str, replay: bool | None, resolved: bool | None, extra_args: list[str], flagged: bool
 ) -> None:
     paths = {"moe": write_model(tmp_path, "moe", MOE_CONFIG), "dense": write_model(tmp_path, "dense", DENSE_CONFIG)}
     spec = spec_for(paths.get(model, tmp_path / model), replay, engines={"extra_args": extra_args})
-    argv = local_layout.engine_record(tmp_path, spec, 0, PlatformTokens()).argv
+    argv = local_layout.engine_record(tmp_path, spec, 0, PlatformTokens(), record_routing=resolved).argv
     assert argv.count(ENGINE_ROUTING_FLAG) == int(flagged)
+
+
+@pytest.mark.parametrize("resolved", [True, False, None])
+async def test_engines_a_resize_adds_after_a_controller_restart_follow_the_resolved_routing(
+    tmp_path: Path, resolved: bool | None
+) -> None:
+    """The answer given at start is kept in state.json: a new controller's resize plans engines from it. (Nothing
+    runs: the process table only records what it would spawn.)"""
+    spec = spec_for(tmp_path / "absent", None)
+    spawned: list[list[str]] = []
+
+    def local_backend() -> LocalJobBackend:
+        backend = LocalJobBackend(SharedServices("redis://r", "", "", "", "", "", "", ""), tmp_path / "state")
+        backend.table.spawn = lambda record, pid_dir: spawned.append(record.argv)  # type: ignore[method-assign]
+        backend.table.stop_all = lambda records, grace_s: None  # type: ignore[method-assign]
+        backend._ensure_monitor = lambda job_id: None  # type: ignore[method-assign]
+        return backend
+
+    first = local_backend()
+    await first.start("job-1", spec, record_routing=resolved)
+    await first.close()
+    restarted = local_backend()
+    try:
+        await restarted.resize("job-1", spec, engines=2, rollout_workers=None)
+    finally:
+        await restarted.close()
+    engines = [argv for argv in spawned if argv[0].endswith("miles-engine")]
+    assert len(engines) == 2  # engine-0 at start, engine-1 by the resize
+    assert [argv.count(ENGINE_ROUTING_FLAG) for argv in engines] == [int(bool(resolved))] * 2
 
 
 @pytest.mark.integration

@@ -9,8 +9,9 @@ clients: the backend creates what it returns, in this order:
    Then `job_tokens_secret(spec_config_map, tokens)`: the Secret `<fullname>-<job>-tokens` with the job's own
    capabilities (`sandbox-token`), read by its rollout workers.
 2. `instantiate_job_templates(templates, params)`: every other object (engine pool, weight-sync, rollout workers,
-   trainer, per-job NetworkPolicies); pass them through `owned_by(objects, spec_config_map_created)` so that
-   deleting the spec ConfigMap deletes the job.
+   trainer, per-job NetworkPolicies); for a job whose engines take per-job flags, pass them through
+   `with_engine_args(objects, args)`; then through `owned_by(objects, spec_config_map_created)` so that deleting
+   the spec ConfigMap deletes the job.
 
 **Placeholders** (`PLACEHOLDERS`), each filled from a `JobTemplateParams` field:
 
@@ -43,6 +44,13 @@ weight-sync origin, the trainer's publish target) for what the controller writes
 The chart decides the engine implementation for the whole release: `engine_kind_of(templates)` says which (`sglang`
 or `cpu`), so that a job asking for the other one can be refused with a clear message.
 
+**Per-job engine flags** are not placeholders: `with_engine_args(objects, args)` appends them to the `args` of the
+container named `engine` (ENGINE_CONTAINER) in the engine Deployment (component label `engine`), after the chart's
+`jobTemplates.engine.<kind>.extraArgs`; a flag those already name (the flag, `flag=value`, or `--no-flag`) is not
+added again, so the chart wins. Both engine kinds take flags there (SGLang's `sglang.launch_server` and
+miles-engine's entrypoint). The Kubernetes backend adds `--enable-return-routed-experts` this way for a job that
+records MoE routing (`routing_replay.engines_record_routing`).
+
 Limits: plain text substitution, so every placeholder value is validated (job ids are DNS labels, counts are small
 integers, the model path is a single line without quotes) before it reaches the YAML; object names are checked
 against Kubernetes' 63-character limit (52 for StatefulSets, whose pods carry a revision-hash label).
@@ -50,9 +58,10 @@ against Kubernetes' 63-character limit (52 for StatefulSets, whose pods carry a 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +79,9 @@ SPEC_MOUNT_PATH = "/etc/miles/job"
 
 ENGINE_TEMPLATE_KEY = "engine-deployment.yaml"
 ENGINE_KIND_ANNOTATION = "miles.dev/engine-kind"
+ENGINE_CONTAINER = "engine"
+"""Name of the engine container in the engine Deployment's pod template (the chart's `miles.job.engineContainer`)."""
+_COMPONENT_LABEL = "app.kubernetes.io/component"
 
 PLACEHOLDERS = (
     "JOB_ID",
@@ -228,6 +240,35 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
     for obj in objects:
         _check_name(obj)
     return objects
+
+
+def with_engine_args(objects: list[dict[str, Any]], args: list[str]) -> list[dict[str, Any]]:
+    """`objects` with `args` appended to the engine container's args, each unless those already name it (see the
+    module docstring). Returns new dicts for what changes; the input is not changed. Raises InvalidArgumentError
+    when the objects have no engine Deployment with an `engine` container (a chart this controller does not know)."""
+    result = list(objects)
+    for position, obj in enumerate(objects):
+        if obj.get("kind") != "Deployment" or obj["metadata"].get("labels", {}).get(_COMPONENT_LABEL) != "engine":
+            continue
+        deployment = copy.deepcopy(obj)
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        for container in containers:
+            if container.get("name") == ENGINE_CONTAINER:
+                present = list(container.get("args", []))
+                container["args"] = present + [arg for arg in args if not names_flag(present, arg)]
+                result[position] = deployment
+                return result
+    raise InvalidArgumentError(
+        f"the job templates have no engine Deployment with a container named {ENGINE_CONTAINER!r} to add {args} to: "
+        "the chart and this controller do not match"
+    )
+
+
+def names_flag(args: Sequence[str], flag: str) -> bool:
+    """Whether the command-line `args` already decide `flag` (`--x`, `--x=value` or `--no-x`): they then win over
+    a flag the controller would add."""
+    negated = "--no-" + flag.removeprefix("--")
+    return any(arg in (flag, negated) or arg.startswith(flag + "=") for arg in args)
 
 
 def job_spec_config_map(

@@ -4,13 +4,16 @@ tells the session server and the engines.
 
 `train.routing_replay` reaches the trainer as it is (part of `train` in `trainer.json`); the session server gets
 `record_routing` in the job config (true / false; omitted for None, so that the session server decides from the
-model); the local backend's engines get `--enable-return-routed-experts` when the job records routing.
+model) and answers the value it resolved; the engines of both backends get `--enable-return-routed-experts` when
+the job records routing (`engines_record_routing`: the spec's value when set, else what the controller read of the
+model, else what the session server resolved at registration).
 
 Limits: the controller reads the config only where `spec.model.path` is a directory on its own filesystem (the
 local backend; on Kubernetes only when the controller mounts the models): elsewhere (a Hub id, a path inside the
 pods) nothing is refused here, and the session server, the engines and the trainer refuse a dense model at their
 start. Only Qwen3-MoE (`routing_shape_from_hf_config`) is recognised as MoE; a config that names experts in another
-architecture is "unknown", never refused as dense.
+architecture is "unknown", never refused as dense. A job registered without a session server (an empty
+`session_url`: tests, partial stacks) and a model the controller cannot read gets no flag.
 """
 
 from __future__ import annotations
@@ -89,7 +92,13 @@ def session_record_routing(spec: JobSpec) -> dict[str, bool]:
     return {} if replay is None else {"record_routing": replay}
 
 
-def engines_record_routing(spec: JobSpec, routing: ModelRouting) -> bool:
-    """Whether the job's engines must answer routed experts: replay on, or unset with a MoE model."""
+def engines_record_routing(spec: JobSpec, routing: ModelRouting, resolved: bool | None = None) -> bool:
+    """Whether the job's engines must answer routed experts: `train.routing_replay` when set; unset, whether the
+    model is MoE as the controller reads it, or when it cannot read the model, `resolved` (the session server's
+    `record_routing` from the job's registration; None: unknown, no flag)."""
     replay = spec.train.routing_replay
-    return replay if replay is not None else routing.is_moe
+    if replay is not None:
+        return replay
+    if routing.known:
+        return routing.is_moe
+    return bool(resolved)

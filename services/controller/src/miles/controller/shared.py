@@ -2,8 +2,9 @@
 per-job statistics while it runs, unregister it when it is deleted.
 
 - session server: `PUT /v1/jobs/{id}/config` (model path, TITO family, chat template kwargs, the router pool =
-  the job id, `record_routing` = `train.routing_replay` when set) with the operator token; `DELETE` of it on job
-  deletion.
+  the job id, `record_routing` = `train.routing_replay` when set) with the operator token; it answers the config it
+  stored, whose `record_routing` (resolved from the model when unset) `register` returns for the job's engines.
+  `DELETE` of it on job deletion.
 - buffer: gRPC `ConfigureJob` (the job's queue, created before any worker pushes) and `DeleteJob`.
 - router: `GET /admin/v1/stats?pool=<job id>` for the job's prefix hit rate (counters of the replica that answers:
   with several router replicas this is one replica's view).
@@ -60,8 +61,11 @@ class SharedServicesClient:
         if self._channel is not None:
             await self._channel.close()
 
-    async def register(self, job_id: str, spec: JobSpec) -> None:
-        """Session-server job config, then the buffer's job queue (both idempotent)."""
+    async def register(self, job_id: str, spec: JobSpec) -> bool | None:
+        """Session-server job config, then the buffer's job queue (both idempotent). Returns the session server's
+        resolved `record_routing` (whether the job records MoE routing); None without a session server or when its
+        answer does not say (a session server older than R3)."""
+        record_routing: bool | None = None
         if self.shared.session_url:
             body = {
                 "model_path": spec.model.path,
@@ -70,11 +74,14 @@ class SharedServicesClient:
                 "chat_template_kwargs": spec.model.chat_template_kwargs,
                 **session_record_routing(spec),
             }
-            await self._session_call("PUT", job_id, body)
+            stored = await self._session_call("PUT", job_id, body)
+            resolved = stored.get("record_routing")
+            record_routing = resolved if isinstance(resolved, bool) else None
         if self._buffer is not None:
             config = buffer_pb2.JobBufferConfig(stale_policy=buffer_pb2.STALE_POLICY_DROP)
             request = buffer_pb2.ConfigureJobRequest(job_id=job_id, config=config)
             await self._grpc(self._buffer.ConfigureJob, request)
+        return record_routing
 
     async def unregister(self, job_id: str) -> None:
         """Remove the job's session config and buffer queue (nothing there is fine)."""
@@ -100,7 +107,8 @@ class SharedServicesClient:
 
     async def _session_call(
         self, method: str, job_id: str, body: dict[str, Any] | None, *, missing_ok: bool = False
-    ) -> None:
+    ) -> dict[str, Any]:
+        """The answer's JSON object ({} for an empty body, a 204, a 404 with `missing_ok`, or a non-object)."""
         url = f"{self.shared.session_url.rstrip('/')}/v1/jobs/{job_id}/config"
         headers = bearer_headers(self.shared.session_operator_token)
         try:
@@ -110,8 +118,14 @@ class SharedServicesClient:
                 f"session server unreachable at {self.shared.session_url}: {type(exc).__name__}: {exc}",
                 retry_after_s=2.0,
             ) from exc
-        if response.status_code < 300 or (missing_ok and response.status_code == 404):
-            return
+        if missing_ok and response.status_code == 404:
+            return {}
+        if response.status_code < 300:
+            try:
+                answer = response.json() if response.content else {}
+            except ValueError:
+                return {}
+            return answer if isinstance(answer, dict) else {}
         error_class = error_class_for_http_status(response.status_code)
         raise error_class(f"session server answered {response.status_code} to {method} {url}: {response.text[:300]}")
 

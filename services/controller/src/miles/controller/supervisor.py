@@ -157,8 +157,9 @@ class Supervisor:
 
     async def _start(self, record: JobRecord, loop: _JobLoopState) -> None:
         try:
-            await self._call("register", self.shared.register(record.job_id, record.spec))
-            await self._call("start", self.backend.start(record.job_id, record.spec))
+            # Registration first: the backend's engines need the routing the session server resolved from the model.
+            record_routing = await self._call("register", self.shared.register(record.job_id, record.spec))
+            await self._call("start", self.backend.start(record.job_id, record.spec, record_routing=record_routing))
         except MilesError as exc:
             loop.start_failures += 1
             if not exc.retryable or loop.start_failures >= self.settings.max_start_attempts:

@@ -103,8 +103,12 @@ class JobBackend(Protocol):
         a 400 and nothing is stored); facts it cannot read now are left for `start` to report."""
         ...
 
-    async def start(self, job_id: str, spec: JobSpec) -> None:
-        """Create the job's per-job resources; idempotent: adopts what already runs for `job_id`."""
+    async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
+        """Create the job's per-job resources; idempotent: adopts what already runs for `job_id`.
+
+        `record_routing`: whether the session server records the job's MoE routing, as it answered the job's
+        registration (None: unknown); the engines answer routed experts accordingly when the controller cannot
+        read the model itself (`routing_replay.engines_record_routing`)."""
         ...
 
     async def observe(self, job_id: str, spec: JobSpec) -> JobProgress:

@@ -11,8 +11,13 @@ ready replicas and trainer rank 0's gRPC `Status` (step, weight version, last-st
 
 The official client is synchronous; every call runs in a worker thread (`asyncio.to_thread`).
 
+A job that records MoE routing (R3; `routing_replay.engines_record_routing` with the session server's resolved
+`record_routing` from the job's registration) gets `--enable-return-routed-experts` appended to its engine
+container's args (`job_templates.with_engine_args`; the chart's extraArgs naming the flag win).
+
 Limits: the engine pool's registration with the router is the router's own discovery (EndpointSlices labelled
-`miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one).
+`miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one); an
+adopted engine Deployment (409) keeps the args it was created with.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from miles.controller.job_templates import (
     job_spec_config_map,
     job_tokens_secret,
     owned_by,
+    with_engine_args,
 )
+from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, engines_record_routing, read_model_routing
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -222,20 +229,31 @@ class KubernetesJobBackend:
                 field="weight_sync.transport",
             )
 
-    async def start(self, job_id: str, spec: JobSpec) -> None:
+    async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
         self._check_transport(spec)
         templates = self._job_templates[job_id] = await self.templates()
         problem = _engine_kind_problem(templates, spec)  # the chart may have changed since submission
         if problem:
             raise FailedPreconditionError(problem)
         params = template_params(job_id, spec)
+        job_objects = instantiate_job_templates(templates, params)
+        if await self._engines_record_routing(spec, record_routing):
+            job_objects = with_engine_args(job_objects, [ENGINE_ROUTING_FLAG])
         spec_config_map = job_spec_config_map(templates, params, spec_files(spec))
         created_owner = await self._create_or_read(spec_config_map)
         tokens = job_tokens_secret(spec_config_map, {"sandbox-token": self.shared.tokens.sandbox_job(job_id)})
-        objects = owned_by([tokens, *instantiate_job_templates(templates, params)], created_owner)
+        objects = owned_by([tokens, *job_objects], created_owner)
         for obj in objects:
             await self._create_or_read(obj)
         log.info("job objects created", extra={"job_id": job_id, "num_objects": len(objects) + 1})
+
+    @staticmethod
+    async def _engines_record_routing(spec: JobSpec, record_routing: bool | None) -> bool:
+        """Whether the job's engines get ENGINE_ROUTING_FLAG (R3): the spec's choice, else the model's config.json
+        when this process mounts it, else the session server's resolved `record_routing`. The chart's extraArgs
+        naming the flag win (`with_engine_args`); the spec's `extra_args` are not applied on Kubernetes."""
+        routing = await asyncio.to_thread(read_model_routing, spec.model.path)
+        return engines_record_routing(spec, routing, record_routing)
 
     async def _create_or_read(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Create `obj`; when it already exists (an adopted job), read it back. Returns the object as stored."""

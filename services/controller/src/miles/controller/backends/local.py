@@ -90,13 +90,15 @@ class LocalJobBackend:
             field, why = problem
             raise InvalidArgumentError(why, field=field)
 
-    async def start(self, job_id: str, spec: JobSpec) -> None:
+    async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
         async with self._lock(job_id):
             job = self._load(job_id)
             if job is not None and job.stopped and job.succeeded:
                 return  # finished and stopped: a controller that died before recording the end asks again
+            if job is not None and job.record_routing is None:  # a state.json written by an older controller
+                job.record_routing = record_routing
             if job is None or job.stopped:
-                job = LocalJob(job_id, self.job_dir(job_id))
+                job = LocalJob(job_id, self.job_dir(job_id), record_routing=record_routing)
                 self._jobs[job_id] = job
                 try:
                     self._plan(job, spec)
@@ -240,7 +242,7 @@ class LocalJobBackend:
             raise ValueError(problem[1])
         job.job_dir.mkdir(parents=True, exist_ok=True)
         engines = [
-            layout.engine_record(job.job_dir, spec, i, self.shared.tokens)
+            layout.engine_record(job.job_dir, spec, i, self.shared.tokens, record_routing=job.record_routing)
             for i in range(spec.resources.engines.replicas)
         ]
         records = list(engines)
@@ -355,7 +357,10 @@ class LocalJobBackend:
         current = job.by_role("engine")
         if count > len(current):
             for _ in range(count - len(current)):
-                record = layout.engine_record(job.job_dir, spec, job.next_index("engine"), self.shared.tokens)
+                index = job.next_index("engine")
+                record = layout.engine_record(
+                    job.job_dir, spec, index, self.shared.tokens, record_routing=job.record_routing
+                )
                 job.processes[record.name] = record
                 self.table.spawn(record, job.job_dir)
         else:

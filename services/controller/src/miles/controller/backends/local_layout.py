@@ -5,7 +5,8 @@ One job on this machine is:
 - `engine-<i>`: `miles-engine --model-path <spec.model.path> --port <free> --weight-version 0 <extra_args>`
   (`--fake-model` only when the spec's `resources.engines.extra_args` carry it), plus
   `--enable-return-routed-experts` when the job records MoE routing (R3: `train.routing_replay` true, or unset
-  with a MoE model; extra_args naming the flag either way win);
+  with a MoE model, or unset with a model the controller cannot read and the session server's resolved
+  `record_routing` true; extra_args naming the flag either way win);
 - `weightsync` (transport `stream` only): one `miles-weight-sync` daemon, the job's origin, which the trainer
   publishes to and which loads every engine of the job itself (the weight-sync README's one-process setup: no
   peers), draining engines through the router's admin API in the job's pool (lossless deltas to the engines; its
@@ -32,6 +33,7 @@ from miles.common.ports import free_port
 from miles.common.spawn import SettingValue, console_script, settings_env
 from miles.controller.backends.base import PlatformTokens, SharedServices
 from miles.controller.backends.local_processes import ProcessRecord
+from miles.controller.job_templates import names_flag
 from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, engines_record_routing, read_model_routing
 
 
@@ -60,15 +62,18 @@ def token_env(service_env_name: str, tokens: Mapping[str, str]) -> dict[str, str
     return settings_env(service_env_name, tokens, omit_empty=True)
 
 
-def _engines_record_routing(spec: JobSpec) -> bool:
+def _engines_record_routing(spec: JobSpec, record_routing: bool | None) -> bool:
     """Whether to add ENGINE_ROUTING_FLAG: the job records routing and its extra_args do not set the flag."""
-    negated = "--no-" + ENGINE_ROUTING_FLAG.removeprefix("--")
-    if any(arg in (ENGINE_ROUTING_FLAG, negated) for arg in spec.resources.engines.extra_args):
+    if names_flag(spec.resources.engines.extra_args, ENGINE_ROUTING_FLAG):
         return False
-    return engines_record_routing(spec, read_model_routing(spec.model.path))
+    return engines_record_routing(spec, read_model_routing(spec.model.path), record_routing)
 
 
-def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformTokens) -> ProcessRecord:
+def engine_record(
+    job_dir: Path, spec: JobSpec, index: int, tokens: PlatformTokens, *, record_routing: bool | None = None
+) -> ProcessRecord:
+    """Engine `index`; `record_routing` is the session server's resolved value (used when this process cannot read
+    the model)."""
     port = free_port()
     argv = [
         console_script("miles-engine"),
@@ -80,7 +85,7 @@ def engine_record(job_dir: Path, spec: JobSpec, index: int, tokens: PlatformToke
         "0",
         *spec.resources.engines.extra_args,
     ]
-    if _engines_record_routing(spec):
+    if _engines_record_routing(spec, record_routing):
         argv.append(ENGINE_ROUTING_FLAG)
     url = f"http://127.0.0.1:{port}"
     return ProcessRecord(

@@ -38,6 +38,8 @@ class LocalJob:
     last_step: int = 0
     """Trainer step last seen (reported while the trainer does not answer, e.g. after a controller restart)."""
     last_weight_version: int = 0
+    record_routing: bool | None = None
+    """The session server's resolved `record_routing` given at start (engines added by a resize need it too)."""
 
     def by_role(self, role: str) -> list[ProcessRecord]:
         records = [record for record in self.processes.values() if record.role == role]
@@ -57,6 +59,7 @@ class LocalJob:
             "succeeded": self.succeeded,
             "last_step": self.last_step,
             "last_weight_version": self.last_weight_version,
+            "record_routing": self.record_routing,
             "processes": [record.to_json() for record in self.processes.values()],
         }
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -86,4 +89,5 @@ class LocalJob:
             succeeded=bool(data.get("succeeded", False)),
             last_step=int(data.get("last_step", 0)),
             last_weight_version=int(data.get("last_weight_version", 0)),
+            record_routing=data["record_routing"] if isinstance(data.get("record_routing"), bool) else None,
         )
