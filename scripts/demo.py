@@ -3,7 +3,8 @@
     python scripts/demo.py [--spec examples/calculator_tool/job.yaml] [--home .miles] [--keep-up] [--seed N]
 
 1. builds the demo model (`examples/calculator_tool/warmup.py`: tiny Qwen3 architecture, small-vocabulary Qwen3
-   tokenizer, a short supervised warm-up) at the spec's `model.path` when it is missing;
+   tokenizer, a short supervised warm-up) at the spec's `model.path` when it is missing; a path whose directory
+   name ends in `-moe` (`examples/calculator_tool/job_moe.yaml`) is built as the tiny Qwen3-MoE variant instead;
 2. `miles up` (unless a platform is already up under --home, which is then reused and left up);
 3. submits the job (fully-async GRPO) and follows it live until it ends;
 4. evaluates the model before and after training on held-out prompts (`examples/calculator_tool/eval.jsonl`: no
@@ -12,16 +13,21 @@
 5. prints the reward per step and the final line
    `demo eval_before=<e0> eval_after=<e1> reward_first=<a> reward_last=<b> steps=<n> staleness_mean=<s>
    prefix_hit=<h> tito_critical=<c>`, where reward_first / reward_last are the mean rewards of the first / last
-   three steps the controller reported (sampled, so noisier than the greedy evaluation);
+   three steps the controller reported (sampled, so noisier than the greedy evaluation); for a MoE model (its
+   config.json says `qwen3_moe`) the line ends with ` routing_agreement=<r>`, the trainer's last step's share of
+   routed positions whose own top-k equals the recorded one;
 6. `miles down` (the platform it started is stopped; `--keep-up` leaves it running for `miles status` etc.).
 
 Exit status 0 when the job SUCCEEDED, the held-out greedy reward rose by at least --min-eval-rise, the training
-reward by at least --min-rise, and tito_critical is 0; else 1.
+reward by at least --min-rise, and tito_critical is 0; for a MoE model also when R3 was really on: the last step
+of `GET /v1/jobs/{id}` reports routing_replay 1 and a routing_agreement, and the trainer's log names no group
+rejected for missing_routing or bad_routing (`routing_replay_problems`); else 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -39,6 +45,12 @@ from miles.cli.main import console, controller_client, follow_job  # noqa: E402
 
 NUM_EDGE_STEPS = 3
 """reward_first / reward_last average this many steps (one step is 32 episodes: noisy on its own)."""
+ROUTING_REJECT_REASONS = ("missing_routing", "bad_routing")
+"""The trainer's nack reasons that mean a MoE group was not trained with its recorded routing (R3)."""
+
+
+MOE_MODEL_SUFFIX = "-moe"
+"""A model directory named like this (`.miles/models/calculator-demo-moe`) is built as the tiny Qwen3-MoE."""
 
 
 def ensure_model(path: Path) -> None:
@@ -48,9 +60,65 @@ def ensure_model(path: Path) -> None:
     from calculator_tool.warmup import build_demo_model
 
     started = time.monotonic()
-    console.print(f"building the demo model at {path} (tiny Qwen3 + warm-up) ...")
-    build_demo_model(path)
+    moe = path.name.endswith(MOE_MODEL_SUFFIX)
+    console.print(f"building the demo model at {path} (tiny Qwen3{'-MoE' if moe else ''} + warm-up) ...")
+    build_demo_model(path, moe=moe)
     console.print(f"demo model built in {time.monotonic() - started:.0f}s")
+
+
+def is_moe_model(path: Path) -> bool:
+    """Whether the model directory holds a Qwen3-MoE (what the session server and trainer decide R3 by)."""
+    config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    return bool(config.get("model_type") == "qwen3_moe")
+
+
+def routing_agreement(job: dict[str, Any]) -> float | None:
+    """The trainer's last step's routing agreement over all MoE layers, as `GET /v1/jobs/{id}` shows it."""
+    value = (job.get("metrics") or {}).get("routing_agreement")
+    return None if value is None else float(value)
+
+
+def routing_report(job: dict[str, Any]) -> str:
+    """One line of the last step's R3 figures: replay on/off, agreement per MoE layer, train/rollout logprob gap."""
+    metrics = job.get("metrics") or {}
+    layers = sorted(
+        (int(k.rsplit("_", 1)[1]), v) for k, v in metrics.items() if k.startswith("routing_agreement_layer_")
+    )
+    per_layer = " ".join(f"{value:.3f}" for _, value in layers) or "-"
+    gap = metrics.get("train_rollout_logprob_abs_diff")
+    return (
+        f"R3 last step: routing_replay={metrics.get('routing_replay', '-')} routing_agreement per MoE layer "
+        f"{per_layer}; mean |train - rollout logprob| {'-' if gap is None else f'{gap:.4f}'}"
+    )
+
+
+def routing_rejections(trainer_log: Path) -> dict[str, int]:
+    """Groups the trainer rejected for their routing, by reason, from its log (every restart appends to it).
+    The trainer logs `group rejected: <reason>`; the counter of the same name dies with the job's processes."""
+    counts = dict.fromkeys(ROUTING_REJECT_REASONS, 0)
+    text = trainer_log.read_text(errors="replace") if trainer_log.is_file() else ""
+    for line in text.splitlines():
+        for reason in ROUTING_REJECT_REASONS:
+            counts[reason] += f"group rejected: {reason}" in line
+    return counts
+
+
+def routing_replay_problems(job: dict[str, Any], job_directory: Path) -> list[str]:
+    """Why R3 was not really on for a MoE job ([] when it was): the last step did not replay, reported no
+    routing agreement, or some group was refused for missing or bad routing."""
+    metrics = job.get("metrics") or {}
+    problems = []
+    if metrics.get("routing_replay") != 1.0:
+        problems.append(f"the last step reports routing_replay={metrics.get('routing_replay')}, not 1")
+    if routing_agreement(job) is None:
+        problems.append("the last step reports no routing_agreement (no recorded routing reached the trainer)")
+    trainer_log = job_directory / "trainer.log"
+    if not trainer_log.is_file():
+        problems.append(f"no trainer log at {trainer_log} to check for rejected groups")
+    for reason, count in routing_rejections(trainer_log).items():
+        if count:
+            problems.append(f"the trainer rejected {count} groups for {reason}")
+    return problems
 
 
 def ensure_platform(layout: Layout) -> bool:
@@ -74,22 +142,29 @@ def edge_mean(rewards: dict[int, float], *, last: bool) -> float:
     return sum(rewards[s] for s in chosen) / max(1, len(chosen))
 
 
-def summary_line(watch: JobWatch, job: dict[str, Any], evals: tuple[float, float]) -> str:
+def summary_line(watch: JobWatch, job: dict[str, Any], evals: tuple[float, float], *, moe: bool = False) -> str:
     staleness = list(watch.staleness_by_step.values())
     prefix_hit = job.get("prefix_hit_rate")
     tito = job.get("tito_mismatches")
+    agreement = routing_agreement(job)
+    routing = "" if not moe else f" routing_agreement={'-' if agreement is None else f'{agreement:.3f}'}"
     return (
         f"demo eval_before={evals[0]:.3f} eval_after={evals[1]:.3f} "
         f"reward_first={edge_mean(watch.rewards_by_step, last=False):.3f} "
         f"reward_last={edge_mean(watch.rewards_by_step, last=True):.3f} steps={job.get('step', watch.step)} "
         f"staleness_mean={sum(staleness) / max(1, len(staleness)):.2f} "
-        f"prefix_hit={0.0 if prefix_hit is None else prefix_hit:.3f} tito_critical={int(tito or 0)}"
+        f"prefix_hit={0.0 if prefix_hit is None else prefix_hit:.3f} tito_critical={int(tito or 0)}{routing}"
     )
+
+
+def job_dir(layout: Layout, job_id: str) -> Path:
+    """The local backend's directory of the job: config files, logs (`trainer.log`), checkpoints."""
+    return Path(layout.controller_state_dir) / "jobs" / job_id
 
 
 def final_checkpoint_model(layout: Layout, job_id: str) -> Path:
     """The `model/` directory of the job's newest checkpoint (the local backend keeps it in the job dir)."""
-    steps = sorted((layout.controller_state_dir / "jobs" / job_id / "checkpoints").glob("step-*"))
+    steps = sorted((job_dir(layout, job_id) / "checkpoints").glob("step-*"))
     if not steps or not (steps[-1] / "model").is_dir():
         raise RuntimeError(f"job {job_id} left no checkpoint to evaluate")
     return steps[-1] / "model"
@@ -147,12 +222,18 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[red]job {job['job_id']} {job['state']}[/]: {job.get('errors')}")
             return 1
         eval_after = evaluate(layout, spec, final_checkpoint_model(layout, job["job_id"]), args.eval, "trained")
-        line = summary_line(watch, job, (eval_before, eval_after))
+        moe = is_moe_model(model_path)
+        line = summary_line(watch, job, (eval_before, eval_after), moe=moe)
         rise = edge_mean(watch.rewards_by_step, last=True) - edge_mean(watch.rewards_by_step, last=False)
         console.print(f"wall time {time.monotonic() - started:.0f}s")
+        r3_problems = routing_replay_problems(job, job_dir(layout, job["job_id"])) if moe else []
+        if moe:
+            console.print(routing_report(job))
+        for problem in r3_problems:
+            console.print(f"[red]R3 was not really on:[/] {problem}")
         print(line, flush=True)
         learned = eval_after - eval_before >= args.min_eval_rise and rise >= args.min_rise
-        return 0 if learned and "tito_critical=0" in line else 1
+        return 0 if learned and "tito_critical=0" in line and not r3_problems else 1
     finally:
         if started_platform and not args.keep_up:
             stopped = stop_platform(layout)

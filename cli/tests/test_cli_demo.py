@@ -94,3 +94,58 @@ def test_held_out_prompts_share_no_expression_with_the_training_set() -> None:
     held_out = expressions("eval.jsonl")
     assert len(held_out) == len(set(held_out)) >= 40
     assert not set(held_out) & set(expressions("data.jsonl"))
+
+
+def test_moe_demo_job_is_the_demo_recipe_on_the_moe_model_with_replay_left_to_its_default() -> None:
+    def load(name: str) -> JobSpec:
+        return JobSpec.model_validate(yaml.safe_load((EXAMPLES / "calculator_tool" / name).read_text()))
+
+    dense, moe = load("job.yaml"), load("job_moe.yaml")
+    assert moe.model.path.endswith(_demo_module().MOE_MODEL_SUFFIX) and moe.train.mode == "async"
+    assert moe.train.routing_replay is None  # unset: on for a MoE model
+    assert moe.train == dense.train and moe.rollout == dense.rollout
+
+
+def test_moe_demo_model_is_a_tiny_qwen3_moe_with_the_mini_vocabulary(examples_path: None, tmp_path: Path) -> None:
+    from calculator_tool.warmup import DEMO_MOE_CONFIG, build_demo_model
+
+    config = json.loads((build_demo_model(tmp_path / "m", warm=False, moe=True) / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["vocab_size"] <= 1024
+    assert {key: config[key] for key in DEMO_MOE_CONFIG} == {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+    }
+    assert _demo_module().is_moe_model(tmp_path / "m")
+
+
+def test_moe_demo_final_line_adds_the_routing_agreement() -> None:
+    demo = _demo_module()
+    watch = JobWatch("job-1", num_steps=1)
+    watch.rewards_by_step = {1: 0.5}
+    job = {"step": 1, "prefix_hit_rate": 0.9, "tito_mismatches": 0, "metrics": {"routing_agreement": 0.96875}}
+    assert demo.summary_line(watch, job, (0.0, 0.5), moe=True).endswith("tito_critical=0 routing_agreement=0.969")
+    assert demo.summary_line(watch, {**job, "metrics": {}}, (0.0, 0.5), moe=True).endswith("routing_agreement=-")
+    assert "routing_agreement" not in demo.summary_line(watch, job, (0.0, 0.5))
+
+
+def test_moe_demo_fails_unless_the_trainer_really_replayed_routing(tmp_path: Path) -> None:
+    demo = _demo_module()
+    replayed = {"metrics": {"routing_replay": 1.0, "routing_agreement": 0.97}}
+    log = tmp_path / "trainer.log"
+    log.write_text("2026-01-01 00:00:00,000 trainer INFO miles.trainer.loop: step\n")
+    assert demo.routing_replay_problems(replayed, tmp_path) == []
+    assert len(demo.routing_replay_problems({"metrics": {"routing_replay": 0.0}}, tmp_path)) == 2
+    with log.open("a") as out:
+        out.write("2026-01-01 00:00:01,000 trainer WARNING miles.trainer.admission: group rejected: missing_routing\n")
+    assert demo.routing_replay_problems(replayed, tmp_path) == ["the trainer rejected 1 groups for missing_routing"]
+    assert demo.routing_replay_problems(replayed, tmp_path / "nowhere")[0].startswith("no trainer log")
+
+
+def test_evaluation_never_records_routing(tmp_path: Path) -> None:
+    from miles.cli.evaluation import eval_session_config
+
+    spec = JobSpec.model_validate(yaml.safe_load((EXAMPLES / "calculator_tool" / "job_moe.yaml").read_text()))
+    config = eval_session_config(spec, tmp_path, "eval-1")
+    assert config["record_routing"] is False  # its engine runs without --enable-return-routed-experts
+    assert config["engine_pool"] == "eval-1" and config["model_path"] == str(tmp_path)

@@ -129,7 +129,9 @@ class _Consumer:
         self.discarded.append((lease_id, reason))
 
 
-async def test_admission_nacks_refused_routing_with_its_reason_and_counts_it(make_group: Any) -> None:
+async def test_admission_nacks_refused_routing_with_its_reason_and_counts_it(
+    make_group: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     consumer, metrics, events = _Consumer(), Metrics("trainer"), EventLog(10)
     shape = ModelShape(vocab_size=512, max_positions=64, routing=ROUTING)
     admission = Admission(consumer, TrainConfig(), TrainerMetrics(metrics), events, shape)  # type: ignore[arg-type]
@@ -155,6 +157,8 @@ async def test_admission_nacks_refused_routing_with_its_reason_and_counts_it(mak
     rejected = [event.message for event in events.history() if event.kind == "rejected"]
     assert rejected[0].startswith("group 'missing': missing_routing: samples[0] has no rollout_routed_experts")
     assert admission.num_rejected == 2 and list(consumer.holdings.pulled) == ["good"]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("group rejected")]
+    assert logged == ["group rejected: missing_routing", "group rejected: bad_routing"]  # plain-text logs keep it
 
 
 def _metrics_text(port: int) -> str:

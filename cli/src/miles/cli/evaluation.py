@@ -93,6 +93,19 @@ def _ready(url: str) -> bool:
         return False
 
 
+def eval_session_config(spec: JobSpec, model_dir: Path, job_id: str) -> dict[str, object]:
+    """The evaluation's job config for the session server. `record_routing` is false: an evaluation trains on
+    nothing, and its engine runs without --enable-return-routed-experts, so a MoE model's default (record the
+    routing of every turn) would make every turn fail with an upstream routing mismatch."""
+    return {
+        "model_path": str(model_dir),
+        "model_family": spec.model.family,
+        "engine_pool": job_id,
+        "chat_template_kwargs": spec.model.chat_template_kwargs,
+        "record_routing": False,
+    }
+
+
 async def evaluate_model(
     endpoints: PlatformEndpoints,
     spec: JobSpec,
@@ -109,12 +122,7 @@ async def evaluate_model(
     rollout = spec.rollout
     if dataset_path is not None:
         rollout = rollout.model_copy(update={"dataset": rollout.dataset.model_copy(update={"path": dataset_path})})
-    config = {
-        "model_path": str(model_dir),
-        "model_family": spec.model.family,
-        "engine_pool": job_id,
-        "chat_template_kwargs": spec.model.chat_template_kwargs,
-    }
+    config = eval_session_config(spec, model_dir, job_id)
     headers = {"authorization": f"Bearer {endpoints.operator_token}"}
     session_config = f"{endpoints.session_url.rstrip('/')}/v1/jobs/{job_id}/config"
     pool = RouterPool(endpoints.router_url, admin_token=endpoints.tokens.router_admin)

@@ -136,7 +136,8 @@ class Admission:
         self.num_rejected += 1
         self.metrics.groups_rejected.labels(reason).inc()
         self.events.publish(Event("rejected", step, message=f"group {group_id!r}: {reason}: {why}"))
-        log.warning("group rejected", extra={"group_id": group_id, "reason": reason, "why": why})
+        # The reason is in the message too: the local backend's plain-text logs drop `extra` fields.
+        log.warning("group rejected: %s", reason, extra={"group_id": group_id, "reason": reason, "why": why})
 
     def _superseded_span(self, samples: list[TrainSample]) -> int | None:
         """A span version of `samples` that a rewind superseded (None when every span is in the lineage)."""
