@@ -6,6 +6,8 @@ in deterministic mode, with rollouts the real engine generated concurrently (in-
 - after the router moved (a perturbation of its weights, as an async weight update does), the trainer without R3
   drifts (logprob diff > 0, routing agreement < 1); with R3 every forward (policy, reference model, pi_old scoring
   pass) computes with exactly the recorded experts, and the drift is smaller;
+- when only the routing moved (a top-1 MoE with renormalised weights, whose combine weight is exactly 1: the router
+  decides which expert, nothing else), the drift without R3 is > 0 and with R3 exactly 0;
 - the step statistics report the logprob diff and the agreement with R3 on and off, and the metrics export them;
 - the router still gets a gradient under replay (the recorded experts' probabilities are differentiable).
 
@@ -278,3 +280,45 @@ def test_the_router_gets_a_gradient_under_replay(tiny_moe_model_dir: Path, rollo
     backend.forward(samples, temperature=1.0, entropy_grad=False).logprobs.sum().backward()  # type: ignore[no-untyped-call]
     moved = [p.grad for name, p in backend.named_parameters() if name.endswith("mlp.gate.weight")]
     assert all(g is not None and float(g.abs().sum()) > 0.0 for g in moved)
+
+
+TOP1_ROUTING = RoutingShape(num_layers=4, top_k=1, num_experts=8)
+
+
+@pytest.fixture(scope="module")
+def top1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MoE with top-1 routing and norm_topk_prob: each token's combine weight is p / p = 1 exactly, so the
+    router's weights change which expert computes, and nothing else."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    overrides = {"num_experts_per_tok": 1, "norm_topk_prob": True}
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-moe-top1", moe=True, config_overrides=overrides)
+
+
+def test_when_only_the_routing_moved_replay_leaves_no_drift_at_all(
+    top1_model_dir: Path, moe_rollouts: Any, make_moe_group: Any
+) -> None:
+    generated = moe_rollouts(top1_model_dir, num_prompts=4, samples_per_prompt=2, seed=3)
+    samples = [
+        sample
+        for index, (prompt, replies) in enumerate(generated)
+        for sample in samples_from_group(
+            make_moe_group(f"t{index}", prompt, replies, routing=TOP1_ROUTING),
+            index,
+            vocab_size=VOCAB,
+            max_positions=MAX_POSITIONS,
+            routing=TOP1_ROUTING,
+            routing_replay=True,
+        )
+    ]
+    rollout = _rollout_logprobs(samples)
+    diffs: dict[bool, float] = {}
+    for replay in (False, True):
+        backend = _backend(top1_model_dir, replay=replay)
+        assert torch.equal(backend.forward(samples, temperature=1.0, entropy_grad=False).logprobs, rollout)
+        _perturb_router(backend.policy.lm, sigma=0.05)  # an update of the router alone, as async training makes
+        after = backend.forward(samples, temperature=1.0, entropy_grad=False)
+        assert after.routing_agreement is not None and min(after.routing_agreement.tolist()) < 1.0
+        diffs[replay] = float((after.logprobs.detach() - rollout).abs().max())
+    print(f"top-1 MoE, router moved: max |logprob diff| without R3 {diffs[False]:.4f}, with R3 {diffs[True]}")
+    assert diffs[False] > 0.0 and diffs[True] == 0.0
