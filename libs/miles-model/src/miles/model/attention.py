@@ -30,8 +30,8 @@ def fast_attention(
     elif num_new == 1:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     else:
-        key_pos = torch.arange(num_keys)
-        query_pos = past_len + torch.arange(num_new)
+        key_pos = torch.arange(num_keys, device=keys.device)  # the mask must live where the keys do (CUDA)
+        query_pos = past_len + torch.arange(num_new, device=keys.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(num_new, num_heads, head_dim)

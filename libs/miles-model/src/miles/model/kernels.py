@@ -16,6 +16,13 @@ on how threads split the work. Deterministic mode removes every such dependency:
 
 Limits: the guarantee holds for one torch build on one CPU instruction set (the vector width decides the
 rounding of exp); numbers differ from the fast path and from other builds in the last bits.
+
+On CUDA the same fixed blocks make every matrix product and reduction a call of one shape, and cuBLAS and torch's
+reductions give the same bits for the same shape on one GPU model with one CUDA, cuBLAS and torch build (the
+thread setting above is then irrelevant). What can still differ is library state, not shapes: the engine sets
+`CUBLAS_WORKSPACE_CONFIG` and `torch.use_deterministic_algorithms(True, warn_only=True)` when it computes
+deterministically on a GPU (`miles.engine.device`). CUDA results differ from CPU results in the last bits, so a
+CPU trainer matches a CUDA engine within a tolerance only; bit equality needs both on the same kind of GPU.
 """
 
 from __future__ import annotations

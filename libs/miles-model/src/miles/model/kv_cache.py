@@ -3,6 +3,8 @@
 `SequenceKV` keeps, per layer, a token-major buffer (capacity, num_kv_heads, head_dim) for keys and another for
 values; positions [0, length) are filled. Per-layer tensors (not one stacked tensor) keep autograd simple for
 callers that write into them and make prefix views `keys(layer, t)` identical in stride to freshly computed keys.
+Buffers live on the `device` they are built for (the model's: the CPU by default, a GPU for an engine computing
+there); blocks exported from them stay on that device.
 
 `KVBlock` is a copy of positions [start, end) of a sequence for all layers — what a radix-tree node stores.
 Splitting a block returns views (no copy); `SequenceKV.load_prefix` copies blocks into a new sequence's buffers.
@@ -62,17 +64,25 @@ class SequenceKV:
         *,
         num_moe_layers: int = 0,
         top_k: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         shape = (max(capacity, 1), num_kv_heads, head_dim)
         self.capacity = max(capacity, 1)
-        self._keys = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self._values = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self._routed = torch.full((self.capacity, num_moe_layers, top_k), -1, dtype=torch.int32)
+        self._keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._routed = torch.full((self.capacity, num_moe_layers, top_k), -1, dtype=torch.int32, device=device)
         self.length = 0
 
     @classmethod
-    def for_config(cls, config: ModelConfig, capacity: int, dtype: torch.dtype = torch.float32) -> SequenceKV:
-        """Buffers shaped for a model, storing routed experts when it has MoE layers."""
+    def for_config(
+        cls,
+        config: ModelConfig,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> SequenceKV:
+        """Buffers shaped for a model, storing routed experts when it has MoE layers, on the model's `device`."""
         return cls(
             config.num_hidden_layers,
             capacity,
@@ -81,6 +91,7 @@ class SequenceKV:
             dtype,
             num_moe_layers=config.num_moe_layers,
             top_k=config.num_experts_per_tok,
+            device=device,
         )
 
     @property

@@ -57,7 +57,7 @@ def target_logprobs(
     """Logprob of targets[i] under row i of `hidden` (N, hidden) -> (N,); differentiable."""
     num_rows = hidden.shape[0]
     if isinstance(temperatures, float):
-        temperatures = torch.full((num_rows,), temperatures, dtype=torch.float32)
+        temperatures = torch.full((num_rows,), temperatures, dtype=torch.float32, device=hidden.device)
     pieces = []
     for rows in row_blocks(num_rows, deterministic=deterministic):
         logprobs = block_logprobs(model, hidden[rows], temperatures[rows], deterministic=deterministic)

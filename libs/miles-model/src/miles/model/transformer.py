@@ -195,9 +195,14 @@ class CausalLM(nn.Module):
             if segment.kv is None and segment.start_pos != 0:
                 raise ValueError("a segment without a KV cache must start at position 0")
         ids = torch.cat([s.input_ids for s in segments])
-        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + s.input_ids.shape[0]) for s in segments])
-        if int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings")
+        # Positions are built on the model's device and bounded in Python (no device-to-host sync on CUDA).
+        device = ids.device
+        positions = torch.cat(
+            [torch.arange(s.start_pos, s.start_pos + s.input_ids.shape[0], device=device) for s in segments]
+        )
+        last_position = max(s.start_pos + s.input_ids.shape[0] - 1 for s in segments)
+        if last_position >= self.config.max_position_embeddings:
+            raise ValueError(f"position {last_position} exceeds max_position_embeddings")
         replay = None
         if routed_experts is not None:
             replay = check_routed_experts(routed_experts, len(ids), self.config).to(ids.device)

@@ -13,11 +13,13 @@ tensors arrive. The received tensors are validated and applied by the engine lik
 broadcast the trainer sends must be consumed, and a group that is joining must not be claimed twice.
 
 Limits: one rank per engine (tensor-parallel size 1), so the engine's rank is `rank_offset`; rank 0 is the
-broadcast source (the trainer). gloo on the CPU; nccl only where CUDA is available (tensors are received on
-the current CUDA device, then copied to the CPU). One operation per group at a time (a second one is refused).
-`timeout_s` bounds joining and each broadcast; after a failed broadcast the group's stream is out of step:
-destroy it and create a new one, as with SGLang. torch is imported on first use, so a --fake-model engine
-loads it only when a group is created; that import (seconds) runs in a thread, so the engine keeps answering.
+broadcast source (the trainer). gloo on the CPU; nccl only where CUDA is available: an engine computing on a GPU
+(`device: cuda`) receives on that GPU and keeps the tensors there for the swap; a CPU engine receives on the
+receiving thread's current CUDA device and copies them to the CPU. One operation per group at a time (a second
+one is refused). `timeout_s` bounds joining and each broadcast; after a failed broadcast the group's stream is
+out of step: destroy it and create a new one, as with SGLang. torch is imported on first use, so a --fake-model
+engine loads it only when a group is created; that import (seconds) runs in a thread, so the engine keeps
+answering.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ DESTROY_MESSAGE = "Succeeded to destroy custom process group."
 class _Group:
     name: str
     device: str
+    """Where broadcasts land: "cpu" (gloo) or "cuda:N" (nccl)."""
+    keep_on_device: bool
+    """Hand the received tensors over where they landed (the engine computes there), else as CPU copies."""
     process_group: Any = None
     """None while the ranks are joining."""
     busy: bool = True
@@ -51,18 +56,21 @@ class _Group:
 class UpdateGroups:
     """The weight-update groups this engine belongs to, by name."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, engine_device: str = "cpu") -> None:
+        """`engine_device`: where the runner computes ("cpu" or "cuda:N", Runner.device)."""
         self.timeout_s = timeout_s
+        self.engine_device = engine_device
         self._groups: dict[str, _Group] = {}
         self._running: set[asyncio.Task[Any]] = set()
 
     async def init(self, body: InitWeightsUpdateGroupBody) -> None:
         """Join the group as rank `rank_offset` (blocks until every rank joined); raises WeightUpdateError."""
         _check_init(body)
-        device = await _in_thread(_device_for, body.backend)  # may import torch: seconds, never on the event loop
+        # may import torch: seconds, never on the event loop
+        device = await _in_thread(_device_for, body.backend, self.engine_device)
         if body.group_name in self._groups:
             raise WeightUpdateError(f"weight-update group {body.group_name!r} already exists (destroy it first)")
-        group = self._groups[body.group_name] = _Group(body.group_name, device)
+        group = self._groups[body.group_name] = _Group(body.group_name, device, device == self.engine_device)
         host = f"[{body.master_address}]" if ":" in body.master_address else body.master_address
         await self.run_to_completion(self._join(group, body, f"tcp://{host}:{body.master_port}"))
 
@@ -91,9 +99,10 @@ class UpdateGroups:
         group.busy = False
 
     async def receive(self, group: _Group, specs: list[TensorSpec]) -> dict[str, Any]:
-        """Every announced tensor, broadcast by rank 0 in order, as CPU tensors by name."""
+        """Every announced tensor, broadcast by rank 0 in order, by name: on the engine's device when they landed
+        there, else on the CPU."""
         try:
-            return await _in_thread(_receive, group.process_group, specs, group.device)
+            return await _in_thread(_receive, group.process_group, specs, group.device, group.keep_on_device)
         except Exception as exc:
             raise WeightUpdateError(f"Failed to update parameter online: {exc}. No weight was changed.") from exc
 
@@ -129,8 +138,9 @@ def _check_init(body: InitWeightsUpdateGroupBody) -> None:
         )
 
 
-def _device_for(backend: str) -> str:
-    """Where tensors are received: the CPU for gloo, the current CUDA device for nccl."""
+def _device_for(backend: str, engine_device: str) -> str:
+    """Where tensors are received: the CPU for gloo; for nccl the engine's GPU, or for a CPU engine the current
+    CUDA device (NCCL moves GPU memory only)."""
     if backend == "gloo":
         return "cpu"
     if backend != "nccl":
@@ -139,6 +149,8 @@ def _device_for(backend: str) -> str:
 
     if not torch.cuda.is_available():
         raise WeightUpdateError("backend 'nccl' needs CUDA, which this engine does not have: use backend 'gloo'")
+    if engine_device.startswith("cuda"):
+        return engine_device
     return f"cuda:{torch.cuda.current_device()}"
 
 
@@ -149,15 +161,20 @@ def _init_process_group(*args: Any) -> Any:
     return init_custom_process_group(*args)
 
 
-def _receive(process_group: Any, specs: list[TensorSpec], device: str) -> dict[str, Any]:
+def _receive(process_group: Any, specs: list[TensorSpec], device: str, keep_on_device: bool) -> dict[str, Any]:
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
     received = {}
-    for spec in specs:
-        tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
-        dist.broadcast(tensor, src=0, group=process_group)
-        received[spec.name] = tensor.cpu()
+    # This thread's current CUDA device is not the engine's (torch keeps it per thread): guard it for NCCL.
+    guard = torch.cuda.device(device) if device.startswith("cuda") else contextlib.nullcontext()
+    with guard:
+        for spec in specs:
+            tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+            dist.broadcast(tensor, src=0, group=process_group)
+            received[spec.name] = tensor if keep_on_device else tensor.cpu()
     return received
 
 

@@ -78,6 +78,7 @@ class FakeRunner:
         self._forward_cost_s = settings.fake_forward_cost_s
         self._generation = 0
         self.max_update_bytes = FAKE_MAX_UPDATE_BYTES
+        self.device = "cpu"  # it computes nothing; settings refuse another device with fake_model
         self.sleep: Callable[[float], None] = time.sleep
         """How a forward spends its modelled cost (tests record it instead of waiting)."""
 

@@ -66,7 +66,7 @@ def server_info(engine: Engine, settings: EngineSettings, served: ServedModel) -
         "enable_return_routed_experts": settings.enable_return_routed_experts,
         "fake_model": settings.fake_model,
         "weight_version": engine.scheduler.weight_version,
-        "device": "cpu",
+        "device": engine.runner.device,
         "version": ENGINE_VERSION,
         "internal_states": [
             {

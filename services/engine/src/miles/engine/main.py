@@ -94,7 +94,7 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         served_model_name=served_name,
         created_s=int(time.time()),
     )
-    update_groups = UpdateGroups(settings.weight_update_group_timeout_s)
+    update_groups = UpdateGroups(settings.weight_update_group_timeout_s, runner.device)
     return Engine(scheduler, runner, tokenizer, limits, update_groups), served
 
 

@@ -68,6 +68,8 @@ class ModelInfo:
 
 class Runner(Protocol):
     info: ModelInfo
+    device: str
+    """Where the runner computes and keeps KV and weights: "cpu" or "cuda:N" (reported by /server_info)."""
     max_update_bytes: int
     """The most bytes one /update_weights_from_distributed may announce (enough for every weight in float64)."""
 
@@ -95,8 +97,8 @@ class Runner(Protocol):
         """Decode and validate named tensors (safetensors bytes; any subset of the weights)."""
 
     def prepare_weights_from_named(self, tensors: dict[str, Any]) -> Any:
-        """Validate received CPU tensors by Hugging Face name (any subset of the weights); raises
-        WeightUpdateError."""
+        """Validate received tensors (on the CPU or on this runner's device) by Hugging Face name (any subset of
+        the weights); raises WeightUpdateError."""
 
     def apply_weights(self, prepared: Any) -> None:
         """Swap the prepared weights in (scheduler thread, between steps)."""

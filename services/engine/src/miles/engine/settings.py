@@ -67,6 +67,13 @@ class EngineSettings(ServiceSettings):
     served without them, as SGLang serves them. On with a model that has no MoE layers: the engine refuses to
     start."""
 
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")
+    """Where the model, its KV cache, sampling and weight updates live: `cpu`, `cuda` (the current CUDA device) or
+    `cuda:N`. A CUDA device that torch cannot see (no CUDA build, no GPU, N out of range) stops the start-up with
+    an error. Responses (token ids, logprobs, routed experts) are computed there and returned through the CPU.
+    With `deterministic` on CUDA the engine also sets CUBLAS_WORKSPACE_CONFIG (if unset) and
+    torch.use_deterministic_algorithms (miles.engine.device)."""
+
     num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads for the fast path (0: torch's default)."""
 
@@ -102,6 +109,13 @@ class EngineSettings(ServiceSettings):
     admin_api_key: SecretStr = SecretStr("")
     """Bearer token of the control routes (SGLang's --admin-api-key), held by weight-sync and the trainer; "" = they
     take api_key instead. One of the two is required unless `host` is a loopback address."""
+
+    @model_validator(mode="after")
+    def _check_device(self) -> EngineSettings:
+        if self.fake_model and self.device != "cpu":
+            # The fake sampler computes nothing: a GPU setting would be silently ignored.
+            raise ValueError(f"device {self.device!r} needs the real model: fake_model runs on the CPU only")
+        return self
 
     @model_validator(mode="after")
     def _check_keys(self) -> EngineSettings:

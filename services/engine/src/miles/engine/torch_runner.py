@@ -1,4 +1,4 @@
-"""The real model runner: miles.model's transformer on the CPU, sampling, logprobs and weight swaps.
+"""The real model runner: miles.model's transformer on the CPU or a GPU, sampling, logprobs and weight swaps.
 
 One `forward` runs every sequence of the step in one batched call (`CausalLM.forward_segments`), then reads
 logprobs block by block (the vocabulary is large): the rows asked for are the last position of sequences
@@ -11,10 +11,17 @@ token whatever it is batched with (miles.model.kernels).
 KV caches are `SequenceKV.for_config`: for a MoE model they also record the experts every fed token was routed
 to, and their exported blocks carry that routing into the radix cache and back into sequences that hit it, so
 `routed_experts` answers for cached prefixes exactly what a cold prefill computed.
+
+Device (`settings.device`, resolved by device.py): the model, every KV buffer (so the radix cache's blocks too),
+the logits, sampling and swapped-in weights live there; token ids, logprobs and routed experts come back to the
+CPU as Python numbers or bytes. Weight payloads are decoded and checked on the CPU and copied to the device when
+they are swapped in. CUDA kernels run under a device guard, because the scheduler thread's current CUDA device
+is not the one the runner was built on (torch keeps it per thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence as Seq
@@ -24,6 +31,7 @@ from typing import Any
 import torch
 
 from miles.engine.checksum import named_tensors_checksum
+from miles.engine.device import configure_cuda_determinism, resolve_device
 from miles.engine.errors import WeightUpdateError
 from miles.engine.requests import Sequence, TokenLogprobs
 from miles.engine.runner import Checksum, ForwardItem, ForwardResult, ModelInfo
@@ -57,8 +65,12 @@ class TorchRunner:
     def __init__(self, settings: EngineSettings) -> None:
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
-        self.model = load_model(settings.model_path)
+        self.torch_device = resolve_device(settings.device)  # ConfigError before any weight is read
+        self.device = str(self.torch_device)
         self.deterministic = settings.deterministic
+        if self.deterministic and self.torch_device.type == "cuda":
+            configure_cuda_determinism()  # before the first cuBLAS call: it reads its workspace setting once
+        self.model = load_model(settings.model_path).to(self.torch_device)
         config = self.model.config
         self.info = ModelInfo(
             model_type=config.model_type,
@@ -72,40 +84,54 @@ class TorchRunner:
         )
         self.max_update_bytes = 8 * sum(p.numel() for p in self.model.parameters())
 
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """A guard making the runner's GPU current in the calling thread (nothing on the CPU)."""
+        if self.torch_device.type == "cuda":
+            return torch.cuda.device(self.torch_device)
+        return contextlib.nullcontext()
+
     def warmup(self) -> None:
         """One prefill, one prefill on top of a cache and one decode, in this runner's mode."""
-        with torch.inference_mode():
+        device = self.torch_device
+        with torch.inference_mode(), self._on_device():
             kv = self.new_kv(8, [])
             for ids, start in (([1, 2, 3], 0), ([4, 5], 3), ([6], 5)):
                 hidden = self.model.forward_segments(
-                    [Segment(torch.tensor(ids), start, kv)], deterministic=self.deterministic
+                    [Segment(torch.tensor(ids, device=device), start, kv)], deterministic=self.deterministic
                 )
-                block_logprobs(self.model, hidden[-1:], torch.ones(1), deterministic=self.deterministic)
+                ones = torch.ones(1, device=device)
+                block_logprobs(self.model, hidden[-1:], ones, deterministic=self.deterministic)
 
     def new_kv(self, capacity: int, prefix_blocks: Seq[Any]) -> SequenceKV:
-        kv = SequenceKV.for_config(self.model.config, capacity)
-        kv.load_prefix(prefix_blocks)
+        with self._on_device():
+            kv = SequenceKV.for_config(self.model.config, capacity, device=self.torch_device)
+            kv.load_prefix(prefix_blocks)
         return kv
 
     def export_kv(self, kv: Any, start: int, end: int) -> KVBlock:
         assert isinstance(kv, SequenceKV)
-        return kv.export(start, end)
+        with self._on_device():
+            return kv.export(start, end)
 
     def routed_experts(self, seq: Sequence, start: int, end: int) -> bytes:
         kv = seq.kv
         assert isinstance(kv, SequenceKV)
-        return kv.routed_experts(start, end).numpy().astype("<i4", copy=False).tobytes()
+        return kv.routed_experts(start, end).cpu().numpy().astype("<i4", copy=False).tobytes()
 
     def forward(self, items: list[ForwardItem]) -> list[ForwardResult]:
-        with torch.inference_mode():
-            segments = [Segment(torch.tensor(i.token_ids, dtype=torch.long), i.start_pos, i.seq.kv) for i in items]
+        device = self.torch_device
+        with torch.inference_mode(), self._on_device():
+            segments = [
+                Segment(torch.tensor(i.token_ids, dtype=torch.long, device=device), i.start_pos, i.seq.kv)
+                for i in items
+            ]
             hidden = self.model.forward_segments(segments, deterministic=self.deterministic)
             rows = _plan_rows(items)
             picked: list[TokenLogprobs | None] = [None] * len(rows)
             if rows:
-                selected = hidden[torch.tensor([r.hidden_row for r in rows])]
+                selected = hidden[torch.tensor([r.hidden_row for r in rows], device=device)]
                 temperatures = torch.tensor(
-                    [items[r.item].seq.sampling.logprob_temperature for r in rows], dtype=torch.float32
+                    [items[r.item].seq.sampling.logprob_temperature for r in rows], dtype=torch.float32, device=device
                 )
                 for block in row_blocks(len(rows), deterministic=self.deterministic):
                     logprobs = block_logprobs(
@@ -125,7 +151,7 @@ class TorchRunner:
     def _read_block(self, logprobs: torch.Tensor, rows: list[_Row], items: list[ForwardItem]) -> list[TokenLogprobs]:
         seqs = [items[r.item].seq for r in rows]
         token_ids = _choose_tokens(logprobs, rows, seqs)
-        ids = torch.tensor(token_ids)
+        ids = torch.tensor(token_ids, device=logprobs.device)
         token_logprobs = logprobs.gather(1, ids[:, None])[:, 0].tolist()
         top_num = [s.logprobs.top_logprobs_num for s in seqs]
         top_values: list[list[float]] = []
@@ -175,13 +201,16 @@ class TorchRunner:
             raise WeightUpdateError(str(exc)) from exc
 
     def apply_weights(self, prepared: Any) -> None:
+        """Copy the prepared tensors (CPU, or this device for a distributed update) into the parameters."""
         params = dict(self.model.named_parameters())
-        with torch.no_grad():
+        with torch.no_grad(), self._on_device():
             for name, tensor in prepared.items():
                 params[name].copy_(tensor)
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        """CPU copies (the checksum hashes host bytes off the scheduler thread)."""
+        with self._on_device():
+            return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
 
     def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
         target = getattr(torch, dtype) if dtype is not None else next(iter(snapshot.values())).dtype
@@ -224,7 +253,8 @@ def _choose_tokens(logprobs: torch.Tensor, rows: list[_Row], seqs: list[Sequence
             chosen[i] = int(token)
     if plain:
         cumulative = logprobs[plain].exp().cumsum(dim=1)
-        draws = torch.tensor([seqs[i].rng.random() for i in plain], dtype=torch.float32) * cumulative[:, -1]
+        uniforms = [seqs[i].rng.random() for i in plain]
+        draws = torch.tensor(uniforms, dtype=torch.float32, device=logprobs.device) * cumulative[:, -1]
         tokens = torch.searchsorted(cumulative, draws[:, None], right=True)[:, 0].clamp(max=logprobs.shape[1] - 1)
         for i, token in zip(plain, tokens.tolist(), strict=True):
             chosen[i] = int(token)
@@ -249,7 +279,7 @@ def _sample_filtered(logprobs: torch.Tensor, seq: Sequence) -> int:
     if params.min_p > 0.0:
         probs[probs < float(probs.max()) * params.min_p] = 0.0
     cumulative = probs.cumsum(0)
-    draw = torch.tensor([seq.rng.random() * float(cumulative[-1])], dtype=torch.float32)
+    draw = torch.tensor([seq.rng.random() * float(cumulative[-1])], dtype=torch.float32, device=logprobs.device)
     return int(torch.searchsorted(cumulative, draw, right=True)[0].clamp(max=vocab - 1))
 
 

@@ -11,6 +11,8 @@ counted, and gets the next version (the nccl and disk loads are always full, so 
   created on the engine's first load (`/init_weights_update_group`), then per version
   `/update_weights_from_distributed` per bucket while the trainer broadcasts (NCCL on GPUs, gloo on the CPU; the
   CPU engine implements both endpoints). A failed load forgets that engine's group; the next one creates it anew.
+  NCCL moves GPU memory only: over an `nccl` group each tensor of the (CPU) snapshot is copied to this rank's
+  current GPU just before its broadcast, one at a time; over `gloo` the CPU tensors go as they are.
 - `disk`: the version as an HF directory `<publish.dir>/weights-v000007/` written atomically on a volume the
   engines mount at the same path, then `/update_weights_from_disk`.
 
@@ -30,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.common.errors import ConfigError
 from miles.trainer.checkpoint import TEMP_PREFIX, atomic_publish_dir, write_hf_dir
 from miles.trainer.publish import WeightPublisher
 from miles.trainer.publish_ledger import PublishLedger, VersionRecord
@@ -167,12 +170,14 @@ class NcclPublisher(_EnginePublisher):
         from miles.weightsync.transports import TransportDeps, make_transport
 
         publish = settings.publish
+        backend = publish.resolved_nccl_backend
         config = NcclConfig(
             master_address=publish.nccl_master_address or settings.master_addr,
             master_port=publish.nccl_master_port,
-            backend=publish.resolved_nccl_backend,
+            backend=backend,
             bucket_bytes=publish.nccl_bucket_bytes,
             timeout_s=publish.engine_timeout_s,
+            device=broadcast_device(backend),
         )
         self._tensors: dict[str, Any] = {}
         self.transport = make_transport(
@@ -195,6 +200,21 @@ class NcclPublisher(_EnginePublisher):
         if close is not None:
             await close()
         await super().close()
+
+
+def broadcast_device(backend: str) -> str:
+    """Where the update groups' tensors must be when broadcast: this rank's current GPU for nccl (chosen at start,
+    after distributed.py bound the rank to its GPU), "" (where they are: the CPU) for gloo."""
+    if backend != "nccl":
+        return ""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "publish.nccl_backend 'nccl' needs CUDA on the trainer (NCCL broadcasts GPU memory): use 'gloo' or 'auto'",
+            field="publish.nccl_backend",
+        )
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 class DiskPublisher(_EnginePublisher):

@@ -15,7 +15,9 @@ The process-group creation is SGLang's `init_custom_process_group` (a store pref
 torch's `_new_process_group_helper`), shared with the miles engine in `miles.model.update_group` (re-exported
 here), so the trainer side meets real SGLang engines and miles engines alike; it needs no default process
 group. Limits: one engine rank per engine is what the tests exercise (engine_world_size > 1 is passed through
-unchanged); tensors must already be in the engine dtype and on `device`.
+unchanged); tensors must already be in the engine dtype. NCCL broadcasts GPU memory only: with `device` set
+(`cuda:N`), each tensor is copied there just before its broadcast, one at a time, so CPU snapshots (the trainer's
+publisher keeps them) cost at most one tensor of GPU memory beyond the weights; without it tensors go as they are.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class NcclConfig:
     engine_world_size: int = 1
     """Ranks of one engine (its tensor-parallel size)."""
     timeout_s: float = 300.0
+    device: str = ""
+    """Where broadcast tensors must be: "" = where they are (gloo: the CPU); "cuda:N" for nccl (see the doc)."""
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
@@ -144,7 +148,7 @@ class NcclTransport(WeightTransport):
                     "weight_version": str(version) if last else None,
                 }
                 request = asyncio.create_task(engine.update_weights_from_distributed(body))
-                await asyncio.to_thread(self._broadcast, group, [t for _, t in bucket])
+                await asyncio.to_thread(_broadcast, group, [t for _, t in bucket], self.config.device)
                 await request
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         except BaseException:
@@ -159,13 +163,18 @@ class NcclTransport(WeightTransport):
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group.process_group)
 
-    @staticmethod
-    def _broadcast(group: _Group, tensors: list[torch.Tensor]) -> None:
-        for tensor in tensors:
-            dist.broadcast(tensor.contiguous(), src=0, group=group.process_group)
-
     async def close(self) -> None:
         for url, group in self._groups.items():
             await self._engines[url].destroy_weights_update_group(group.name)
             dist.destroy_process_group(group.process_group)
         self._groups.clear()
+
+
+def _broadcast(group: _Group, tensors: list[torch.Tensor], device: str) -> None:
+    """Broadcast from rank 0, in order; runs in a worker thread, whose current CUDA device is not the trainer's
+    (torch keeps it per thread), hence the guard."""
+    guard = torch.cuda.device(device) if device.startswith("cuda") else contextlib.nullcontext()
+    with guard:
+        for tensor in tensors:
+            placed = tensor.to(device) if device else tensor
+            dist.broadcast(placed.contiguous(), src=0, group=group.process_group)
