@@ -1,6 +1,7 @@
 {{/*
 The network flows of docs/architecture.md §1, as data: who may open connections to whom, on which named port ("any": every
-port, for torch.distributed, whose NCCL/gloo connections use ephemeral ports beyond the rendezvous port).
+port, for torch.distributed, whose NCCL/gloo connections use ephemeral ports beyond the rendezvous port; with
+"except": every port but that number).
 "perJob" flows stay inside one job (the per-job NetworkPolicy enforces that); the others are platform-wide.
 NetworkPolicies (shared and per job) are generated from this list; tests compare it with the design.
 Logical components map to pods through miles.podComponent (weight-sync runs in engine pods in sidecar mode).
@@ -29,8 +30,9 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - {from: weight-sync, to: engine, port: http, perJob: true}
 # The nccl transport runs in the trainer and sets up its update groups over the engines' HTTP API...
 - {from: trainer, to: engine, port: http, perJob: true}
-# ...and the engines join those groups on the trainer (rendezvous from weightUpdatePort, then NCCL's own ports).
-- {from: engine, to: trainer, port: any, perJob: true}
+# ...and the engines join those groups on the trainer (rendezvous from weightUpdatePort, then NCCL's own ports), but
+# never the ranks' rendezvous store on masterPort (unauthenticated; it also carries the ranks' heartbeats).
+- {from: engine, to: trainer, port: any, except: {{ .Values.jobTemplates.trainer.masterPort }}, perJob: true}
 # PublishWeights / OpenPublishChannel + CommitPublish: the trainer publishes every version to the job's origin...
 - {from: trainer, to: weight-sync-origin, port: grpc, perJob: true}
 # ...its tensors over the origin's raw TCP data channel (the same listener daemons fetch full weights from).
@@ -43,6 +45,7 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - {from: weight-sync-origin, to: weight-sync, port: grpc, perJob: true}
 - {from: controller, to: weight-sync-origin, port: grpc}
 - {from: controller, to: trainer, port: grpc}
+# The ranks of one job: the rendezvous store on masterPort (rank 0), then gloo's/NCCL's own ports.
 - {from: trainer, to: trainer, port: any, perJob: true}
 {{- end -}}
 
@@ -85,9 +88,11 @@ engine
 {{- end -}}
 {{- end -}}
 
-{{/* A NetworkPolicy port list for a flow port ("any" = no ports field: every port). */}}
+{{/* A NetworkPolicy port list for a flow port ("any" = no ports field: every port; "except": the ranges around it). */}}
 {{- define "miles.flowPorts" -}}
-{{- if ne .port "any" -}}
+{{- if .except -}}
+ports: [{protocol: TCP, port: 1, endPort: {{ sub .except 1 }}}, {protocol: TCP, port: {{ add .except 1 }}, endPort: 65535}]
+{{- else if ne .port "any" -}}
 ports: [{protocol: TCP, port: {{ .port }}}]
 {{- end -}}
 {{- end -}}

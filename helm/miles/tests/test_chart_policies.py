@@ -43,7 +43,9 @@ DESIGNED_FLOWS = {
     ("rollout-router", "engine", "http"),
     ("weight-sync", "engine", "http*"),
     ("trainer", "engine", "http*"),
-    ("engine", "trainer", "any*"),
+    # every port but the ranks' rendezvous store (masterPort, 29500): NCCL's update groups use ephemeral ports.
+    ("engine", "trainer", "1-29499*"),
+    ("engine", "trainer", "29501-65535*"),
     ("trainer", "weight-sync-origin", "grpc*"),
     ("trainer", "weight-sync-origin", "data*"),
     ("weight-sync", "weight-sync-origin", "grpc*"),
@@ -53,6 +55,11 @@ DESIGNED_FLOWS = {
     ("controller", "trainer", "grpc"),
     ("trainer", "trainer", "any*"),
 }
+
+
+def port_name(port: dict[str, Any]) -> str:
+    """A NetworkPolicyPort as a flow's port: its name or number, or "<port>-<endPort>" for a range."""
+    return f"{port['port']}-{port['endPort']}" if "endPort" in port else str(port["port"])
 
 
 def component_of(selector: dict[str, Any]) -> str:
@@ -74,7 +81,7 @@ def ingress_flows(policies: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
                 source = component_of(peer["podSelector"])
                 same_job = "miles.dev/job" in peer["podSelector"].get("matchLabels", {})
                 assert same_job == per_job, f"{policy['metadata']['name']}: a per-job rule must name the same job"
-                ports = [str(port["port"]) for port in rule.get("ports", [])] or ["any"]
+                ports = [port_name(port) for port in rule.get("ports", [])] or ["any"]
                 flows |= {(source, target, f"{port}{'*' if per_job else ''}") for port in ports}
     return flows
 
@@ -137,7 +144,7 @@ def egress_flows(policies: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
             continue
         source = component_of(policy["spec"]["podSelector"])
         for rule in policy["spec"]["egress"]:
-            ports = [str(p["port"]) for p in rule.get("ports", [])] or ["any"]
+            ports = [port_name(p) for p in rule.get("ports", [])] or ["any"]
             for peer in rule.get("to", []):
                 target = component_of(peer["podSelector"]) if "podSelector" in peer else peer["ipBlock"]["cidr"]
                 egress |= {(source, target, port) for port in ports}
@@ -326,7 +333,8 @@ def test_controller_may_create_exactly_the_kinds_of_the_per_job_objects(render: 
     more; besides, it only reads pods (job health)."""
     plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "DaemonSet": "daemonsets",
               "Service": "services", "ConfigMap": "configmaps", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-              "NetworkPolicy": "networkpolicies", "Secret": "secrets"}  # fmt: skip
+              "NetworkPolicy": "networkpolicies", "Secret": "secrets",
+              "PodDisruptionBudget": "poddisruptionbudgets"}  # fmt: skip
     values = ["jobTemplates.weightSync.mode=daemonset", "networkPolicy.nodeCidrs[0]=10.0.0.0/16",
               "jobTemplates.rolloutWorker.autoscaling.enabled=true"]  # fmt: skip
     # Besides the templates the controller creates the job's spec ConfigMap and its tokens Secret.
@@ -350,8 +358,17 @@ def test_controller_may_create_exactly_the_kinds_of_the_per_job_objects(render: 
 
 
 def _policy_allows(policies: list[dict[str, Any]], source: str, target: str, port: str) -> bool:
-    """Whether a per-job ingress rule lets `source` pods of the job reach `target` pods on `port` ("any" too)."""
-    return any(s == source and t == target and p in (f"{port}*", "any*") for s, t, p in ingress_flows(policies))
+    """Whether a per-job ingress rule lets `source` pods of the job reach `target` pods on `port` ("any" or a
+    numeric range holding it too)."""
+    return any(s == source and t == target and _covers(p, port) for s, t, p in ingress_flows(policies))
+
+
+def _covers(rule_port: str, port: str) -> bool:
+    name = rule_port.removesuffix("*")
+    if name in (port, "any"):
+        return rule_port.endswith("*")
+    low, sep, high = name.partition("-")
+    return bool(sep) and rule_port.endswith("*") and port.isdigit() and int(low) <= int(port) <= int(high)
 
 
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])

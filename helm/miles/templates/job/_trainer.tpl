@@ -1,6 +1,12 @@
 {{/*
 The trainer of one job: a StatefulSet (one rank per pod; the pod index is the rank, pod 0 is the rendezvous
-master and serves the API) with a headless Service and a checkpoint PVC per rank, on the trainer pool.
+master and serves the API) with a headless Service, a PodDisruptionBudget and a checkpoint PVC per rank (or one
+shared claim, a directory per job), on the trainer pool.
+
+Failure: a rank whose process ends makes every other rank exit with status 75 within peer_timeout_s (usually at
+once; services/trainer rank_health.py), and the kubelet restarts each container in place (restartPolicy Always, so
+each pod keeps its index and rank). A restarted rank > 0 that finds the old group's rendezvous store still up waits
+for it to go away, so the restarted ranks form a new group and resume from the last checkpoint.
 */}}
 
 {{/*
@@ -19,6 +25,10 @@ exec:
 {{- $ctx := dict "root" . "component" "trainer" -}}
 {{- $t := .Values.jobTemplates.trainer -}}
 {{- $name := include "miles.job.name" $ctx -}}
+{{- $shared := $t.checkpoints.sharedClaimName -}}
+{{- if and (eq $t.checkpoints.format "sharded") (not $shared) -}}
+{{- fail "jobTemplates.trainer.checkpoints.format=sharded needs jobTemplates.trainer.checkpoints.sharedClaimName: every rank writes its shards into one directory, which a PVC per rank cannot give (use a ReadWriteMany claim, or format full)" -}}
+{{- end -}}
 apiVersion: apps/v1
 kind: StatefulSet
 metadata:
@@ -59,6 +69,8 @@ spec:
             {{- include "miles.job.secretEnv" (dict "root" . "entries" (list (list "MILES_TRAINER_AUTH_TOKEN" "trainer-auth-token") (list "MILES_TRAINER_WEIGHTSYNC_AUTH_TOKEN" "weightsync-auth-token") (list "MILES_TRAINER_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_TRAINER_ENGINE_API_KEY" "engine-api-key") (list "MILES_TRAINER_ROUTER_ADMIN_TOKEN" "router-admin-token"))) | nindent 12 }}
             - name: MILES_TRAINER_CHECKPOINT_DIR
               value: /var/lib/miles/checkpoints
+            - name: MILES_TRAINER_CHECKPOINT_FORMAT
+              value: {{ $t.checkpoints.format | quote }}
             - name: MILES_TRAINER_RANK
               valueFrom:
                 fieldRef:
@@ -113,12 +125,21 @@ spec:
               nvidia.com/gpu: "${TRAINER_GPUS}"
           volumeMounts:
             {{- include "miles.job.commonMounts" . | nindent 12 }}
+            {{- if $shared }}
+            - {name: checkpoints, mountPath: /var/lib/miles/checkpoints, subPath: "${JOB_ID}"}
+            {{- else }}
             - {name: checkpoints, mountPath: /var/lib/miles/checkpoints}
+            {{- end }}
             - {name: shm, mountPath: /dev/shm}
       volumes:
         {{- include "miles.job.commonVolumes" (dict "root" . "tmpSize" "20Gi") | nindent 8 }}
         - name: shm
           emptyDir: {medium: Memory, sizeLimit: {{ $t.shmSize }}}
+        {{- if $shared }}
+        - name: checkpoints
+          persistentVolumeClaim: {claimName: {{ $shared | quote }}}
+        {{- end }}
+  {{- if not $shared }}
   volumeClaimTemplates:
     - metadata:
         name: checkpoints
@@ -132,9 +153,33 @@ spec:
         resources:
           requests:
             storage: {{ $t.checkpoints.size }}
+  {{- end }}
 {{- end -}}
 
-{{/* Headless: stable DNS per rank (<name>-0.<name> is the rendezvous master); the controller's gRPC target. */}}
+{{/*
+Voluntary disruptions (drains, autoscaler scale-down) of any rank stop the whole job's step and cost the work since
+its last checkpoint, so by default none is allowed while the job runs (maxUnavailable 0: a drain of a trainer node
+waits until the job ends or the PDB is deleted); involuntary ones are handled by the restart described above.
+*/}}
+{{- define "miles.job.trainerPdb" -}}
+{{- $ctx := dict "root" . "component" "trainer" -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "miles.job.name" $ctx }}
+  labels:
+    {{- include "miles.job.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ .Values.jobTemplates.trainer.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "miles.job.selectorLabels" $ctx | nindent 6 }}
+{{- end -}}
+
+{{/*
+Headless: stable DNS per rank (<name>-0.<name> is the rendezvous master, published before it is ready because the
+ranks rendezvous before rank 0 serves its probes); the controller's gRPC target.
+*/}}
 {{- define "miles.job.trainerService" -}}
 {{- $ctx := dict "root" . "component" "trainer" -}}
 apiVersion: v1

@@ -2,15 +2,25 @@
 
 A checkpoint is `<checkpoint_dir>/step-00000012/`:
 - `model/`: a Hugging Face directory (config.json and tokenizer files copied from the initial model, weights in
-  `model.safetensors`, float32) that the engine or Hugging Face can load as is;
-- `optimizer.pt`, `scheduler.pt`: optimizer state keyed by parameter name, scheduler state (`torch.save`,
-  loaded with `weights_only=True`);
-- `rng.pt`: torch RNG states;
+  `model.safetensors`, float32) that the engine or Hugging Face can load as is (both formats);
+- the training state, in one of two formats (`TrainerState.format`; `settings.checkpoint_format` picks the one
+  written, the directory's content the one read, so either resumes at any world size):
+  - `full`: `optimizer.pt` (optimizer state keyed by parameter name, gathered whole on rank 0) and
+    `scheduler.pt` (`torch.save`, loaded with `weights_only=True`); the weights are `model/`'s. On load rank 0
+    reads them and the backend scatters them into its shards. Cost on rank 0: the whole model and optimizer state
+    in CPU memory (fp32 AdamW: 12 bytes per parameter).
+  - `sharded`: `dcp/`, written by every rank with torch.distributed.checkpoint (`save_shards`): each rank writes
+    the shards it holds of the weights, AdamW's moments and the scheduler, so no rank holds another's optimizer
+    state; on load DCP reads, for each rank, the pieces its new shards cover (another world size re-shards). Every
+    rank must see the same checkpoint_dir (a shared volume). `model/` is still gathered on rank 0 (4 bytes per
+    parameter, as for every publish).
+- `rng.pt`: torch RNG states (rank 0's);
 - `trainer_state.json` (`TrainerState`): step, weight version, the ids of the groups this checkpoint commits,
-  the dataset cursor.
-It is written into `.tmp-step-...`, every file and directory fsynced, then renamed into place and the parent
-fsynced: a checkpoint directory either exists complete or not at all. Leftover temp directories (a crash while
-writing) are deleted at start-up.
+  the dataset cursor, the format and the world size it was written at.
+It is written into `.tmp-step-...` (for `sharded` every rank's shards are fsynced before DCP's metadata is
+written), every file and directory fsynced, then renamed into place and the parent fsynced: a checkpoint
+directory either exists complete or not at all, so its groups are acked only once every rank's part is durable.
+Leftover temp directories (a crash while writing) are deleted at start-up.
 
 The ledger `trained_groups.jsonl` has one line per checkpoint: the ids of the groups whose update it made
 durable. It is appended only after the checkpoint is durable and cut back to the restored step on start-up, so
@@ -19,26 +29,34 @@ its lines are exactly the groups trained into the restored weights (the multiset
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
+from miles.common.errors import ConfigError
 from miles.model import read_safetensors_dir
+from miles.trainer.errors import CheckpointDirNotSharedError
+
+if TYPE_CHECKING:
+    from miles.trainer.backends.base import TrainBackend
+    from miles.trainer.distributed import RankRunner
 
 STEP_PREFIX = "step-"
 TEMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 LEDGER_FILE = "trained_groups.jsonl"
 MODEL_DIR = "model"
+SHARDED_DIR = "dcp"
 _COPIED_MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -62,6 +80,8 @@ class TrainerState:
     dataset_cursor: dict[str, int] | None = None
     backend: str = ""
     created_at_unix_ms: int = 0
+    format: str = "full"
+    world_size: int = 1
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> TrainerState:
@@ -70,11 +90,14 @@ class TrainerState:
 
 @dataclass
 class LoadedCheckpoint:
+    """What rank 0 read. `full`: tensors and optimizer; `sharded`: neither (every rank loads `sharded_dir`)."""
+
     path: Path
     state: TrainerState
     tensors: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     rng: dict[str, Any]
+    sharded_dir: Path | None = None
 
 
 def fsync_path(path: Path) -> None:
@@ -161,13 +184,25 @@ class CheckpointStore:
     def write(
         self, state: TrainerState, tensors: dict[str, torch.Tensor], optimizer: dict[str, Any], rng: dict[str, Any]
     ) -> Path:
-        """Write a checkpoint atomically and durably; then apply retention. Returns its directory."""
-        final = self.path_for(state.step)
-        temp = self.root / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        temp.mkdir(parents=True)
-        write_hf_dir(temp / MODEL_DIR, tensors, self.source_model_dir)
+        """Write a `full` checkpoint atomically and durably; then apply retention. Returns its directory."""
+        temp = self.begin(state.step, sharded=False)
         torch.save(optimizer.get("optimizer", {}), temp / "optimizer.pt")
         torch.save(optimizer.get("scheduler", {}), temp / "scheduler.pt")
+        state.format = "full"
+        return self.commit(temp, state, tensors, rng)
+
+    def begin(self, step: int, *, sharded: bool) -> Path:
+        """A fresh temp directory for the checkpoint of `step` (with its empty `dcp/` for the ranks' shards)."""
+        temp = self.root / f"{TEMP_PREFIX}{self.path_for(step).name}-{uuid.uuid4().hex[:8]}"
+        temp.mkdir(parents=True)
+        if sharded:
+            (temp / SHARDED_DIR).mkdir()
+        return temp
+
+    def commit(self, temp: Path, state: TrainerState, tensors: dict[str, torch.Tensor], rng: dict[str, Any]) -> Path:
+        """Add the HF export, RNG and state to `temp`, then make it the durable checkpoint of `state.step`."""
+        final = self.path_for(state.step)
+        write_hf_dir(temp / MODEL_DIR, tensors, self.source_model_dir)
         torch.save(rng, temp / "rng.pt")
         state.created_at_unix_ms = int(time.time() * 1000)
         (temp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, sort_keys=True))
@@ -179,16 +214,21 @@ class CheckpointStore:
         return TrainerState.from_json(json.loads((self.path_for(step) / STATE_FILE).read_text()))
 
     def load(self, step: int) -> LoadedCheckpoint:
+        """Rank 0's part of a restore: everything of a `full` checkpoint; state and RNG of a `sharded` one."""
         path = self.path_for(step)
+        state = self.read_state(step)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if (path / SHARDED_DIR).is_dir():
+            return LoadedCheckpoint(path, state, tensors={}, optimizer={}, rng=rng, sharded_dir=path / SHARDED_DIR)
         return LoadedCheckpoint(
             path=path,
-            state=self.read_state(step),
+            state=state,
             tensors=read_safetensors_dir(path / MODEL_DIR),
             optimizer={
                 "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
                 "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
             },
-            rng=torch.load(path / "rng.pt", weights_only=True),
+            rng=rng,
         )
 
     def _retain(self) -> None:
@@ -236,6 +276,74 @@ class CheckpointStore:
     def trained_group_ids(self) -> list[str]:
         """Every group id in the ledger, in training order (a multiset: repeats would mean double training)."""
         return [gid for entry in self.read_ledger() for gid in entry["group_ids"]]
+
+
+async def write_checkpoint(
+    store: CheckpointStore,
+    runner: RankRunner,
+    compute: Callable[..., Awaitable[Any]],
+    state: TrainerState,
+    checkpoint_format: str,
+) -> Path:
+    """Rank 0: the checkpoint of `state`, durable on return; `compute` runs a runner operation on the compute thread
+    (the only one issuing collectives). `full`: rank 0 gathers everything and writes it; `sharded`: every rank writes
+    its shards into rank 0's temp directory, then rank 0 adds the HF export and commits."""
+    if checkpoint_format == "full":
+        tensors, optimizer = await compute(runner.full_state)
+        return await asyncio.to_thread(store.write, state, tensors, optimizer, rng_state())
+    temp = await asyncio.to_thread(store.begin, state.step, sharded=True)
+    await compute(runner.save_sharded, str(temp / SHARDED_DIR))
+    tensors = await compute(runner.hf_tensors)
+    state.format = "sharded"
+    return await asyncio.to_thread(store.commit, temp, state, tensors, rng_state())
+
+
+def check_checkpoint_format(checkpoint_format: str, backend: TrainBackend) -> None:
+    """At start-up: refuse `sharded` with a backend that cannot give sharded state."""
+    from miles.trainer.backends.base import TrainBackend
+
+    if checkpoint_format == "sharded" and type(backend).sharded_state is TrainBackend.sharded_state:
+        raise ConfigError(
+            f"checkpoint_format 'sharded' needs sharded state, which the {backend.name} backend cannot give; use "
+            "'full'",
+            field="checkpoint_format",
+        )
+
+
+def save_shards(backend: TrainBackend, directory: Path) -> None:
+    """Collective (every rank, same directory): write this rank's shards of the training state with
+    torch.distributed.checkpoint. Returns on rank 0 once every rank's files are written and fsynced and DCP's
+    metadata is written; nothing is gathered."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    state = _sharded_state(backend)
+    if not directory.is_dir():
+        raise CheckpointDirNotSharedError(
+            f"{directory}, created by rank 0, is not visible here: checkpoint_format 'sharded' needs a checkpoint_dir "
+            "that every rank mounts (a shared volume); use 'full' with a directory per rank"
+        )
+    save(state, checkpoint_id=str(directory))
+
+
+def load_shards(backend: TrainBackend, directory: Path) -> None:
+    """Collective: load a `save_shards` directory into this rank's shards, whatever world size wrote it."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    state = _sharded_state(backend)
+    if not directory.is_dir():
+        raise CheckpointDirNotSharedError(f"{directory} (the checkpoint rank 0 restores) is not visible here")
+    load(state, checkpoint_id=str(directory))
+    backend.load_sharded_state(state)
+
+
+def _sharded_state(backend: TrainBackend) -> dict[str, Any]:
+    state: dict[str, Any] | None = backend.sharded_state()
+    if state is None:
+        raise ConfigError(
+            f"the {backend.name} backend cannot give sharded state: use checkpoint_format 'full'",
+            field="checkpoint_format",
+        )
+    return state
 
 
 def rng_state() -> dict[str, Any]:

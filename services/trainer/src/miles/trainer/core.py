@@ -30,7 +30,13 @@ from miles.proto.trainer.v1 import trainer_pb2
 from miles.trainer.admission import Admission, CollectionCounts, PulledGroup
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.base import ModelShape
-from miles.trainer.checkpoint import CheckpointStore, TrainerState, restore_rng, rng_state
+from miles.trainer.checkpoint import (
+    CheckpointStore,
+    TrainerState,
+    check_checkpoint_format,
+    restore_rng,
+    write_checkpoint,
+)
 from miles.trainer.consumption import Consumer
 from miles.trainer.distributed import RankRunner
 from miles.trainer.errors import OnPolicyViolationError, TrainerNotRunningError
@@ -72,6 +78,7 @@ class Trainer:
         self.train = settings.train
         self.runner, self.consumer, self.publisher, self.store = runner, consumer, publisher, store
         self.metrics, self.events, self.shape = metrics, events, shape
+        check_checkpoint_format(settings.checkpoint_format, runner.backend)
         self.state: int = trainer_pb2.TRAINER_STATE_STARTING
         self.step = 0
         self.weight_version = settings.initial_weight_version
@@ -126,7 +133,10 @@ class Trainer:
         state: TrainerState | None = None
         if latest is not None:
             loaded = await asyncio.to_thread(self.store.load, latest)
-            await self._compute(self.runner.load_state, loaded.tensors, loaded.optimizer)
+            if loaded.sharded_dir is not None:  # every rank reads its own shards (any world size)
+                await self._compute(self.runner.load_sharded, str(loaded.sharded_dir))
+            else:
+                await self._compute(self.runner.load_state, loaded.tensors, loaded.optimizer)
             restore_rng(loaded.rng)
             state = loaded.state
             self.step, self.weight_version = state.step, state.weight_version
@@ -193,7 +203,7 @@ class Trainer:
             staleness,
             self.train,
             trainer_version=self.weight_version,
-            world_size=self.settings.world_size,
+            world_size=self.runner.data.size,  # data-parallel ranks (Megatron TP/PP peers train the same share)
         )
         result = await self._compute(self.runner.train_step, assembled.plan)
         if result.violation is not None:
@@ -278,7 +288,6 @@ class Trainer:
         holdings = self.consumer.holdings
         committed = list(holdings.trained_group_ids)
         if self.step != self.checkpoint_step and self.step > 0:
-            tensors, optimizer = await self._compute(self.runner.full_state)
             state = TrainerState(
                 job_id=self.settings.job_id,
                 step=self.step,
@@ -286,8 +295,10 @@ class Trainer:
                 committed_group_ids=committed,
                 dataset_cursor=self.dataset_cursor,
                 backend=self.settings.backend,
+                world_size=self.settings.world_size,
             )
-            path = await asyncio.to_thread(self.store.write, state, tensors, optimizer, rng_state())
+            checkpoint_format = self.settings.checkpoint_format
+            path = await write_checkpoint(self.store, self.runner, self._compute, state, checkpoint_format)
             await asyncio.to_thread(self.store.append_ledger, self.step, committed)
             self.checkpoint_step, self.checkpoint_path = self.step, str(path)
             self.metrics.checkpoints.inc()
@@ -351,7 +362,9 @@ class Trainer:
     # ---- helpers -------------------------------------------------------------------------------------------
 
     async def _compute(self, fn: Callable[..., ResultT], *args: Any) -> ResultT:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """On the compute thread, through the runner (a collective failing because a peer is gone ends the process
+        with the watchdog's line)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.call, fn, *args)
 
     def _budget_spent(self) -> bool:
         return self.train.num_steps > 0 and self.step >= self.train.num_steps

@@ -35,3 +35,10 @@ class PublishStateError(FailedPreconditionError):
     behind the trainer's checkpoint); the message says what was found."""
 
     code = "publish_state"
+
+
+class CheckpointDirNotSharedError(FailedPreconditionError):
+    """A rank does not see the directory rank 0 created: checkpoint_format `sharded` needs one checkpoint_dir that
+    every rank mounts."""
+
+    code = "checkpoint_dir_not_shared"

@@ -119,26 +119,36 @@ def run_job(settings: TrainerSettings) -> int:
     import torch
 
     from miles.trainer.backends.base import make_backend
-    from miles.trainer.distributed import init_process_group, make_runner, serve_worker
+    from miles.trainer.distributed import join_ranks, make_runner, serve_worker
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
-    if settings.world_size > 1:
-        init_process_group(
+    watchdog = None
+    if settings.world_size > 1:  # a peer that dies ends every rank (exit 75; rank_health.py)
+        watchdog = join_ranks(
             rank=settings.rank,
             world_size=settings.world_size,
             master_addr=settings.master_addr,
             master_port=settings.master_port,
             backend=settings.dist_backend,
+            collective_timeout_s=settings.collective_timeout_s,
+            peer_timeout_s=settings.peer_timeout_s,
         )
-    backend = make_backend(settings)
-    runner = make_runner(backend, settings.train, rank=settings.rank, world_size=settings.world_size)
+    clean = False
     try:
+        backend = make_backend(settings)
+        runner = make_runner(backend, settings.train, rank=settings.rank, world_size=settings.world_size)
+        runner.watchdog = watchdog
         if settings.rank > 0:
             serve_worker(runner)
+            clean = True
             return 0
-        return asyncio.run(run_rank0(settings, runner, backend))
+        code = asyncio.run(run_rank0(settings, runner, backend))
+        clean = True
+        return code
     finally:
+        if watchdog is not None:
+            watchdog.stop(clean=clean)
         if settings.world_size > 1:
             torch.distributed.destroy_process_group()
 

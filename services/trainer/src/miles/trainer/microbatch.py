@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.common.jobspec.trainer import TrainConfig
-from miles.trainer.backends.base import TrainBackend
+from miles.trainer.backends.base import TokenOutputs
 from miles.trainer.backends.common import is_routed
 from miles.trainer.batch import TrainSample
 from miles.trainer.corrections import compute_correction
@@ -125,17 +125,18 @@ def policy_gradient_loss(
 
 
 def micro_batch_loss(
-    backend: TrainBackend,
+    outputs: TokenOutputs,
     samples: Sequence[TrainSample],
     context: MicroBatchContext,
     config: TrainConfig,
     stats: StepStats,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The micro-batch's share of its minibatch's loss (already divided by the minibatch's counts), and the
-    reference logprobs it used (None without a KL term), so later epochs need not recompute them."""
+) -> torch.Tensor:
+    """The micro-batch's share of its minibatch's loss (already divided by the minibatch's counts) from the
+    forward's `outputs`. With a KL term the reference logprobs come in `context` (computed beforehand by the
+    caller: under pipeline parallelism this runs on the last stage only, inside the schedule, where no other
+    forward can be started)."""
     loss_config = config.loss
     flat = flatten(samples, context.trainer_version)
-    outputs = backend.forward(samples, temperature=loss_config.temperature, entropy_grad=loss_config.entropy_coef > 0)
     logprobs = outputs.logprobs
     proximal = context.proximal_logprobs if context.proximal_logprobs is not None else logprobs.detach()
     mask = flat.loss_mask
@@ -152,7 +153,6 @@ def micro_batch_loss(
     add_routing_stats(outputs.routing_agreement, samples, stats)
     stats.add_masked("entropy", outputs.entropy, mask)
     stats.add_mean("num_loss_tokens", float(mask.sum()), 1)
-    reference = context.reference_logprobs
     if loss_config.kind == "sft":
         per_token = sft_loss(logprobs)
         stats.add_total("sft_loss", float((per_token.detach() * weights).sum()))
@@ -166,16 +166,16 @@ def micro_batch_loss(
         stats.add_masked("ppo_ratio", pg.ratio, mask, extremes=True)
         per_token = pg.loss
         if loss_config.kl_coef > 0:
-            if reference is None:
-                reference = backend.reference_logprobs(samples, temperature=loss_config.temperature)
-            kl = kl_penalty(logprobs, reference, loss_config.kl_estimator)
+            if context.reference_logprobs is None:
+                raise ValueError("kl_coef > 0 needs the micro-batch's reference logprobs in its context")
+            kl = kl_penalty(logprobs, context.reference_logprobs, loss_config.kl_estimator)
             stats.add_total("kl", float((kl.detach() * weights).sum()))
             per_token = per_token + loss_config.kl_coef * kl
         if loss_config.entropy_coef > 0:
             per_token = per_token - loss_config.entropy_coef * outputs.entropy
     loss = (per_token * weights).sum()
     stats.add_total("loss", float(loss.detach()))
-    return loss, reference
+    return loss
 
 
 def add_routing_stats(agreement: torch.Tensor | None, samples: Sequence[TrainSample], stats: StepStats) -> None:

@@ -27,15 +27,20 @@ from miles.common.settings import ServiceSettings, service_config
 
 
 class MegatronSettings(Section):
-    """Megatron-core backend parallelism (passed to parallel_state and the TransformerConfig)."""
+    """Megatron-core backend parallelism: world_size = tp_size x pp_size x data-parallel size; expert parallelism
+    splits the experts over ep_size of the data-parallel ranks (backends/megatron_parallel.py)."""
 
-    tensor_model_parallel_size: int = Field(default=1, ge=1)
-    """Tensor-parallel size passed to megatron's parallel_state and TransformerConfig. This build drives only 1
-    (no multi-rank Megatron driver or sharded weight mapping yet): other values are refused at start-up."""
+    tp_size: int = Field(default=1, ge=1)
+    """Tensor-parallel size: attention heads, MLP columns/rows and the (padded) vocabulary split over this many
+    consecutive ranks. Must divide the attention heads, key/value heads and intermediate size (checked at start)."""
 
-    pipeline_model_parallel_size: int = Field(default=1, ge=1)
-    """Pipeline-parallel size, passed like the tensor-parallel size; only 1 in this build (the step calls the
-    model directly, not Megatron's pipeline schedules)."""
+    pp_size: int = Field(default=1, ge=1)
+    """Pipeline-parallel size: the layers split into this many stages (must divide num_hidden_layers), run by
+    megatron-core's 1F1B schedule over the micro-batches of each minibatch; the loss is computed on the last."""
+
+    ep_size: int = Field(default=1, ge=1)
+    """Expert-parallel size (MoE models only): the experts of every MoE layer split over this many data-parallel
+    ranks (must divide the expert count and the data-parallel size)."""
 
 
 class PublishSettings(Section):
@@ -130,7 +135,7 @@ class TrainerSettings(ServiceSettings):
 
     backend: Literal["torch", "megatron"] = "torch"
     """`torch`: miles.model (the engine's own model code), CPU or GPU, FSDP2 when world_size > 1. `megatron`:
-    megatron-core GPTModel built from the HF config (world_size 1 on the CPU in this build)."""
+    megatron-core GPTModel built from the HF config, laid out by `megatron` (TP, PP, DP, EP)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; auto: CUDA when available."""
@@ -158,6 +163,22 @@ class TrainerSettings(ServiceSettings):
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto: nccl on CUDA, gloo on the CPU."""
 
+    peer_timeout_s: float = Field(default=60.0, gt=0)
+    """world_size > 1: a rank whose heartbeat (through the rendezvous store, every min(1 s, timeout / 10)) has not
+    moved for this long is taken as gone, and every other rank exits with status 75 so that all restart from the
+    last checkpoint. A replaced rank or a failing one is noticed within about a second (rank_health.py)."""
+
+    collective_timeout_s: float = Field(default=1800.0, gt=0)
+    """world_size > 1: limit of one collective of a step (FSDP, statistics, gathering state for a publish or a
+    checkpoint) on the default process group; NCCL's watchdog then aborts the process. Rank 0's operations reach
+    the other ranks on a separate control group without this limit (they wait as long as rank 0 waits for data)."""
+
+    checkpoint_format: Literal["full", "sharded"] = "full"
+    """`full`: rank 0 gathers the whole model and optimizer state and writes them (works with a directory per
+    rank). `sharded`: every rank writes its own shards with torch.distributed.checkpoint (no optimizer state is
+    gathered anywhere), which needs one checkpoint_dir that every rank mounts. Either resumes at any world size;
+    both keep the Hugging Face export of the weights in `model/` (checkpoint.py)."""
+
     num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads (0: torch's default)."""
 
@@ -168,7 +189,7 @@ class TrainerSettings(ServiceSettings):
     """Weight publishing."""
 
     megatron: MegatronSettings = MegatronSettings()
-    """Megatron-core backend parallelism."""
+    """Megatron-core backend parallelism (tp_size, pp_size, ep_size; the rest of world_size is data-parallel)."""
 
     checkpoint_on_sigterm: bool = True
     """On SIGTERM, finish the current step and write a checkpoint before exiting (within the pod's grace
@@ -216,10 +237,28 @@ class TrainerSettings(ServiceSettings):
                 raise ValueError("publish.kind 'nccl' needs publish.router_url or publish.engine_urls (the engines)")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        self._check_parallel_layout()
         problems = self.train.recipe_problems()
         if problems:
             raise ValueError("refused recipe: " + "; ".join(f"{field}: {why}" for field, why in problems))
         return self
+
+    def _check_parallel_layout(self) -> None:
+        """The model-independent part of the Megatron layout (backends/megatron_parallel.py checks the rest against
+        the model at start-up: heads, layers, experts)."""
+        sizes = self.megatron
+        if self.backend != "megatron":
+            if (sizes.tp_size, sizes.pp_size, sizes.ep_size) != (1, 1, 1):
+                raise ValueError(
+                    f"megatron.tp_size/pp_size/ep_size ({sizes.tp_size}/{sizes.pp_size}/{sizes.ep_size}) apply to "
+                    f"the megatron backend only; the {self.backend} backend shards with FSDP2 over world_size"
+                )
+            return
+        from miles.trainer.backends.megatron_parallel import ParallelSizes, check_world
+
+        problems = check_world(ParallelSizes(sizes.tp_size, sizes.pp_size, sizes.ep_size), self.world_size)
+        if problems:
+            raise ValueError("megatron parallel layout: " + "; ".join(problems))
 
     @property
     def resolved_consumer_id(self) -> str:

@@ -15,6 +15,13 @@ decay) and advances its step count: it is not run at all. The decision is a func
 rank holds whole, so all ranks skip the same minibatches and their FSDP collectives stay in lockstep; a rank
 with fewer micro-batches than another runs empty ones.
 
+Forward/backward goes through `backend.run_micro_batches` with a `consume` callback that turns a micro-batch's
+outputs into its loss, so that a pipeline-parallel backend can run its own schedule and compute the loss on its
+last stage only. KL reference logprobs are therefore computed before a minibatch's forward/backward
+(`backend.reference_batches`, a collective pass like the others), once, and kept for the later epochs. `rank` and
+`world_size` are data-parallel ones (`TrainBackend.data_ranks`): tensor- and pipeline-parallel peers train the
+same micro-batches; ranks whose statistics would duplicate another's (or never see the loss) contribute none.
+
 Statistics: each optimizer step's statistics are merged over ranks, then every statistic of the trainer step is
 the mean over its optimizer steps (of those that counted it), minima and maxima over all of them. The strict
 on-policy check runs before the first update (on the scoring pass, or on the only update's forward).
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.common.jobspec.trainer import TrainConfig
-from miles.trainer.backends.base import TrainBackend
+from miles.trainer.backends.base import TokenOutputs, TrainBackend
 from miles.trainer.batch import TrainSample
 from miles.trainer.microbatch import MicroBatchContext, add_mismatch_stats, flatten, micro_batch_loss
 from miles.trainer.stats import StepStats, mean_over_updates
@@ -113,9 +120,15 @@ def run_step(
     rank: int = 0,
     world_size: int = 1,
     merge_stats: Callable[[StepStats], StepStats] | None = None,
+    reports_stats: bool = True,
 ) -> StepResult:
-    """The trainer step of the module docstring on this rank; statistics merged over ranks by `merge_stats`."""
-    merge = merge_stats if merge_stats is not None else _identity
+    """The trainer step of the module docstring on this rank (data rank `rank` of `world_size`); statistics merged
+    over ranks by `merge_stats`, this rank's left out unless `reports_stats`."""
+
+    def merge(stats: StepStats) -> StepStats:
+        own = stats if reports_stats else StepStats()
+        return merge_stats(own) if merge_stats is not None else own
+
     signal = [index for index, mb in enumerate(plan.minibatches) if has_signal(mb.samples(), config)]
     num_updates = config.ppo_epochs * len(signal)
     counts = {
@@ -160,16 +173,15 @@ def run_step(
     )
 
 
-def _identity(stats: StepStats) -> StepStats:
-    return stats
-
-
 def _own(minibatch: MiniBatch, rank: int) -> list[list[TrainSample]]:
     return minibatch.micro_batches[rank] if rank < len(minibatch.micro_batches) else []
 
 
-def _dummy_forward(backend: TrainBackend) -> torch.Tensor:
-    return backend.forward([DUMMY_SAMPLE], temperature=1.0, entropy_grad=False).logprobs
+def _padded(minibatch: MiniBatch, rank: int) -> list[list[TrainSample]]:
+    """This rank's micro-batches, then empty ones (one dummy sample, nothing trained) up to the minibatch's
+    most, so that every rank runs the same number of forward/backward passes."""
+    own = _own(minibatch, rank)
+    return own + [[DUMMY_SAMPLE]] * (minibatch.num_micro_batches - len(own))
 
 
 @torch.no_grad()
@@ -182,13 +194,15 @@ def _score_proximal(
     for index in signal:
         minibatch = plan.minibatches[index]
         own = _own(minibatch, rank)
-        for micro in range(minibatch.num_micro_batches):
-            if micro >= len(own):
-                _dummy_forward(backend)
-                continue
-            outputs = backend.forward(own[micro], temperature=config.loss.temperature, entropy_grad=False)
-            proximal[(index, micro)] = outputs.logprobs.detach()
-            add_mismatch_stats(proximal[(index, micro)], flatten(own[micro], plan.trainer_version), stats)
+
+        def consume(micro: int, outputs: TokenOutputs, index: int = index, own: list[list[TrainSample]] = own) -> None:
+            if micro < len(own):
+                proximal[(index, micro)] = outputs.logprobs.detach()
+                add_mismatch_stats(proximal[(index, micro)], flatten(own[micro], plan.trainer_version), stats)
+
+        backend.run_micro_batches(
+            _padded(minibatch, rank), consume, temperature=config.loss.temperature, entropy_grad=False, backward=False
+        )
     return proximal, stats
 
 
@@ -209,6 +223,7 @@ class _Updates:
         self.rank, self.world_size = rank, world_size
         self.proximal = proximal
         self.reference: dict[MicroKey, torch.Tensor] = {}
+        self.referenced: set[int] = set()
         self.started = time.perf_counter()
         self.optimizer_s = 0.0
 
@@ -221,9 +236,20 @@ class _Updates:
         self.backend.zero_grad()
         minibatch = self.plan.minibatches[index]
         own = _own(minibatch, self.rank)
+        padded = _padded(minibatch, self.rank)
+        loss_config = self.config.loss
+        if loss_config.kind != "sft" and loss_config.kl_coef > 0 and index not in self.referenced:
+            self.referenced.add(index)  # every rank decides alike, so the collective pass runs once everywhere
+            references = self.backend.reference_batches(padded, temperature=loss_config.temperature)
+            for micro, reference in enumerate(references[: len(own)]):
+                if reference is not None:
+                    self.reference[(index, micro)] = reference
         stats = StepStats()
-        for micro in range(minibatch.num_micro_batches):
-            if micro < len(own):
+
+        def consume(micro: int, outputs: TokenOutputs) -> torch.Tensor:
+            if micro >= len(own):
+                loss = outputs.logprobs.sum() * 0.0
+            else:
                 context = MicroBatchContext(
                     global_num_tokens=minibatch.global_num_tokens,
                     global_num_seqs=minibatch.global_num_seqs,
@@ -231,13 +257,17 @@ class _Updates:
                     proximal_logprobs=self.proximal.get((index, micro)),
                     reference_logprobs=self.reference.get((index, micro)),
                 )
-                loss, reference = micro_batch_loss(self.backend, own[micro], context, self.config, stats)
-                if reference is not None:
-                    self.reference[(index, micro)] = reference
-            else:
-                loss = _dummy_forward(self.backend).sum() * 0.0
-            # FSDP averages gradients over ranks; the loss is already a share of the minibatch's global sum.
-            torch.autograd.backward(loss * self.world_size)
+                loss = micro_batch_loss(outputs, own[micro], context, self.config, stats)
+            # Gradients are averaged over data ranks; the loss is already a share of the minibatch's global sum.
+            return loss * self.world_size
+
+        self.backend.run_micro_batches(
+            padded,
+            consume,
+            temperature=loss_config.temperature,
+            entropy_grad=loss_config.entropy_coef > 0,
+            backward=True,
+        )
         return stats
 
     def optimizer_step(self) -> float:

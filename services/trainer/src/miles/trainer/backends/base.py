@@ -5,13 +5,19 @@ scheduler, and the mapping to Hugging Face tensor names. It knows nothing of los
 on disk: `step.py` asks it for logprobs of packed sequences, back-propagates, and asks it to step;
 `checkpoint.py` asks it for state dicts. Under torch.distributed every method except `forward` /
 `reference_logprobs` on a rank's own micro-batch is collective: every rank calls it, in the same order.
+
+`step.py` drives forward/backward through `run_micro_batches`, handing the backend a `consume` function that turns
+a micro-batch's `TokenOutputs` into its loss: the default runs forward, consume, backward per micro-batch; a
+pipeline-parallel backend runs its schedule instead and calls `consume` only where the logits are (the last
+stage). `data_ranks` says which share of each minibatch a process trains (its data-parallel rank) and whether its
+statistics count (one rank per data-parallel replica).
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +55,21 @@ class ModelShape:
     """The model's MoE routing shape (None for a dense model): what recorded routing must match."""
 
 
+@dataclass(frozen=True)
+class DataRanks:
+    """A process's share of each minibatch: micro-batches of data-parallel rank `rank` of `size` (the plan is laid
+    out over `size` data ranks); `reports_stats` is false on ranks whose statistics duplicate another's (tensor-
+    parallel peers) or that never see the loss (earlier pipeline stages)."""
+
+    rank: int
+    size: int
+    reports_stats: bool = True
+
+
+Consume = Callable[[int, TokenOutputs], "torch.Tensor | None"]
+"""consume(index, outputs) -> the loss of micro-batch `index` (None: nothing to back-propagate)."""
+
+
 class TrainBackend(abc.ABC):
     """Model + optimizer of one trainer process."""
 
@@ -62,6 +83,36 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
         """Logprobs of the same tokens under the frozen reference weights (no gradient)."""
+
+    def data_ranks(self, rank: int, world_size: int) -> DataRanks:
+        """Every process is its own data rank (torch backend: FSDP shards parameters, not the batch's work)."""
+        return DataRanks(rank=rank, size=world_size)
+
+    def run_micro_batches(
+        self,
+        micro_batches: Sequence[Sequence[TrainSample]],
+        consume: Consume,
+        *,
+        temperature: float,
+        entropy_grad: bool,
+        backward: bool,
+    ) -> None:
+        """Forward every micro-batch in order, hand its outputs to `consume` and (when `backward`) back-propagate
+        the loss it returns. Collective: every rank passes the same number of micro-batches."""
+        import torch
+
+        for index, samples in enumerate(micro_batches):
+            outputs = self.forward(samples, temperature=temperature, entropy_grad=entropy_grad)
+            loss = consume(index, outputs)
+            if backward and loss is not None:
+                torch.autograd.backward(loss)
+
+    def reference_batches(
+        self, micro_batches: Sequence[Sequence[TrainSample]], *, temperature: float
+    ) -> list[torch.Tensor | None]:
+        """`reference_logprobs` of every micro-batch (None where this rank does not compute the loss).
+        Collective, like run_micro_batches."""
+        return [self.reference_logprobs(samples, temperature=temperature) for samples in micro_batches]
 
     @abc.abstractmethod
     def zero_grad(self) -> None: ...
@@ -93,6 +144,16 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Restore what optimizer_state returned (collective; read on rank 0)."""
+
+    def sharded_state(self) -> dict[str, Any] | None:
+        """`{"model", "optimizer", "scheduler"}` state dicts whose tensors are this rank's own shards (DTensors under
+        FSDP, keyed by parameter name), for torch.distributed.checkpoint to write and to load in place at any world
+        size; None when the backend cannot give them (the sharded checkpoint format is then refused)."""
+        return None
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        """Apply a `sharded_state()` dict that torch.distributed.checkpoint has loaded into (collective)."""
+        raise NotImplementedError(f"the {self.name} backend has no sharded state")
 
 
 def lr_multiplier(step: int, config: OptimizerConfig, num_steps: int) -> float:

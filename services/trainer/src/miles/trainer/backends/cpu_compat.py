@@ -1,10 +1,13 @@
 """What megatron-core 0.16.1 needs to run on a machine without CUDA; applied only when CUDA is absent.
 
-Megatron assumes a GPU in two places a CPU forward/backward reaches (found with torch's CPU build):
-- `torch.cuda.current_device()` is called for device arguments (rotary embeddings, the attention buffers):
-  on the CPU it is made to return "cpu";
+Megatron assumes a GPU in places a CPU forward/backward reaches (found with torch's CPU build):
+- `torch.cuda.current_device()` is called for device arguments (rotary embeddings, the attention buffers, the
+  pipeline's receive buffers): on the CPU it is made to return "cpu";
 - the model-parallel RNG tracker (`tensor_parallel.get_cuda_rng_tracker().fork()`) saves and restores CUDA RNG
-  states: a tracker that keeps named CPU generator states is installed instead.
+  states: a tracker that keeps named CPU generator states is installed instead;
+- the pipeline schedules (PP > 1): point-to-point shape exchange calls `torch.cuda.synchronize()` (made a no-op:
+  gloo's operations are complete when waited on) and the 1F1B schedule allocates its token counter with
+  `device="cuda"` (its module sees a torch whose `zeros` maps "cuda" to the CPU).
 Megatron's optimizer factory and activation recomputation also assume CUDA: the backend uses torch.optim and
 refuses gradient checkpointing on the CPU. Process-wide patches, idempotent; never applied when CUDA exists.
 """
@@ -12,6 +15,7 @@ refuses gradient checkpointing on the CPU. Process-wide patches, idempotent; nev
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,11 +68,31 @@ def apply_cpu_compat() -> bool:
         return False
     if _applied:
         return True
+    from megatron.core.pipeline_parallel import schedules  # type: ignore[import-untyped]
     from megatron.core.tensor_parallel import random as megatron_random  # type: ignore[import-untyped]
 
     cuda: Any = torch.cuda
     cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda device=None: None
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    schedules.torch = _CpuDeviceTorch()
     _applied = True
     return True
+
+
+class _CpuDeviceTorch(types.ModuleType):
+    """`torch` as megatron's schedules module sees it on the CPU: the same module but for `zeros`, whose
+    device="cuda" (the schedule's token counter) becomes the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*size, **kwargs)

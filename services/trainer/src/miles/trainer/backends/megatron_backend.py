@@ -7,27 +7,42 @@ methods. On a machine without CUDA `cpu_compat.apply_cpu_compat()` is applied fi
 - Micro-batches are right-padded to the longest sequence ([batch, seq]) with an explicit causal mask (the local
   attention has no packed/THD path; with a causal mask padding never influences real tokens).
 - dtype: float32, or bfloat16 autocast over float32 weights, like the torch backend.
-- Parallelism: tensor/pipeline sizes are passed to parallel_state and the TransformerConfig; this build drives
-  TP = PP = 1 only (a multi-rank Megatron driver with sharded weight mapping is not built) and refuses others.
+- Parallelism (`megatron_parallel.py`): TP, PP, DP = world_size / (TP x PP) and, for MoE, EP (carved out of DP).
+  Each rank builds only its pipeline stage, its experts and its TP slices, reading only the HF tensors those are
+  made of (`megatron_shards.py`); logits are gathered over TP (`parallel_output=False`, vocabulary padded to a
+  multiple of TP and cut back), so every TP rank of the last stage computes the same token outputs and loss. PP
+  runs megatron-core's 1F1B schedule with the loss on the last stage (`megatron_schedule.py`); gradients are
+  made whole by our own all-reduces (DP, EP, tied embeddings, q/k norms), not megatron's DDP wrapper. Weights and
+  optimizer state are gathered to / scattered from rank 0 in the single-rank formats (`megatron_state.py`).
+  At world_size 1 nothing of this runs: the model is one whole GPTModel, as before.
 - Gradient checkpointing maps to Megatron's full per-layer recomputation, which needs CUDA RNG states: refused
   on the CPU.
-- Qwen3-MoE (`megatron_moe.py`): megatron-core's MoE layers (router, SequentialMLP experts, EP = 1) on the sparse
-  layers, dense MLPs on the others; recorded routing is replayed through megatron-core's RouterReplay, and
+- Qwen3-MoE (`megatron_moe.py`): megatron-core's MoE layers (router, SequentialMLP experts split over EP ranks
+  behind the allgather dispatcher) on the sparse layers, dense MLPs on the others; recorded routing is replayed
+  through megatron-core's RouterReplay, and
   `TokenOutputs.routing_agreement` says how often the router's own top-k matched the recorded one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
 from miles.common.errors import ConfigError
 from miles.common.jobspec.trainer import TrainConfig
 from miles.model import ModelConfig, read_safetensors_dir
-from miles.trainer.backends.base import ModelShape, TokenOutputs, TrainBackend, resolve_routing_replay
+from miles.trainer.backends.base import (
+    Consume,
+    DataRanks,
+    ModelShape,
+    TokenOutputs,
+    TrainBackend,
+    resolve_routing_replay,
+)
 from miles.trainer.backends.common import (
     build_optimizer,
     full_optimizer_state,
@@ -35,12 +50,24 @@ from miles.trainer.backends.common import (
     load_full_optimizer_state,
 )
 from miles.trainer.backends.cpu_compat import apply_cpu_compat
-from miles.trainer.backends.megatron_mapping import AttentionLayout, hf_to_megatron, megatron_to_hf
-from miles.trainer.backends.megatron_moe import (
-    RouterReplays,
-    decoder_block_spec,
-    moe_config_fields,
-    recorded_routing,
+from miles.trainer.backends.megatron_mapping import AttentionLayout, hf_to_megatron, megatron_tensor, megatron_to_hf
+from miles.trainer.backends.megatron_model import build_gpt_model
+from miles.trainer.backends.megatron_moe import RouterReplays, recorded_routing
+from miles.trainer.backends.megatron_parallel import ParallelSizes, check_layout, comm_device, init_model_parallel
+from miles.trainer.backends.megatron_schedule import (
+    OutputsOf,
+    clip_grad_norm,
+    finalize_grads,
+    pipeline_forward,
+    pipeline_micro_batches,
+    pipeline_references,
+)
+from miles.trainer.backends.megatron_shards import LazyCheckpoint, load_local, shard_specs
+from miles.trainer.backends.megatron_state import (
+    gathered_hf_state,
+    gathered_optimizer_state,
+    load_gathered_optimizer_state,
+    scatter_hf_state,
 )
 from miles.trainer.backends.torch_routing import model_routing_shape
 from miles.trainer.batch import TrainSample
@@ -50,82 +77,18 @@ if TYPE_CHECKING:
     from miles.trainer.settings import TrainerSettings
 
 
-def _ensure_model_parallel(tp: int, pp: int) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state  # type: ignore[import-untyped]
-
-    if not dist.is_initialized():
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-
-def build_gpt_model(config: ModelConfig, train: TrainConfig, *, tp: int = 1, pp: int = 1) -> Any:
-    """A GPTModel with the architecture of `config` (weights uninitialised until loaded); MoE layers replay
-    recorded routing when `train.routing_replay` resolves to on."""
-    from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped]
-    from megatron.core.transformer.transformer_config import TransformerConfig  # type: ignore[import-untyped]
-
-    on_gpu = torch.cuda.is_available()
-    recompute: dict[str, Any] = {}
-    if train.gradient_checkpointing:
-        recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    transformer_config = TransformerConfig(
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads,
-        kv_channels=config.head_dim,
-        ffn_hidden_size=config.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=config.rms_norm_eps,
-        qk_layernorm=config.qk_norm,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=config.attention_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        attention_softmax_in_fp32=True,
-        use_cpu_initialization=not on_gpu,
-        params_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        **recompute,
-        **moe_config_fields(config, replay=resolve_routing_replay(train, model_routing_shape(config))),
-    )
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
-    return GPTModel(
-        config=transformer_config,
-        transformer_layer_spec=decoder_block_spec(config, layer_spec) if config.num_moe_layers else layer_spec,
-        vocab_size=config.vocab_size,
-        max_sequence_length=config.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(config.rope_theta),
-        share_embeddings_and_output_weights=config.tie_word_embeddings,
-        pre_process=True,
-        post_process=True,
-    )
-
-
 class MegatronBackend(TrainBackend):
     name = "megatron"
 
     def __init__(
-        self, config: ModelConfig, hf_tensors: dict[str, torch.Tensor], train: TrainConfig, *, tp: int = 1, pp: int = 1
+        self,
+        config: ModelConfig,
+        hf_tensors: Mapping[str, torch.Tensor] | LazyCheckpoint,
+        train: TrainConfig,
+        *,
+        sizes: ParallelSizes = ParallelSizes(),
     ) -> None:
-        if tp != 1 or pp != 1:
-            raise ConfigError(
-                f"megatron backend: tensor/pipeline parallel sizes {tp}/{pp} are not driven by this build (only 1/1)",
-                field="megatron",
-            )
+        """`hf_tensors`: the HF checkpoint's tensors (every rank reads the ones its shards are made of)."""
         on_cpu = apply_cpu_compat()
         if on_cpu and train.gradient_checkpointing:
             raise ConfigError(
@@ -138,24 +101,28 @@ class MegatronBackend(TrainBackend):
                 "would need RouterReplay's backward action)",
                 field="train.gradient_checkpointing",
             )
-        _ensure_model_parallel(tp, pp)
+        check_layout(config, sizes, dist.get_world_size() if dist.is_initialized() else 1)
+        self.ranks = init_model_parallel(sizes)
+        self.distributed = self.ranks.world_size > 1
         self.config = config
         self.train_config = train
-        self.layout = AttentionLayout(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.attention = AttentionLayout(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.shape = ModelShape(
             vocab_size=config.vocab_size,
             max_positions=config.max_position_embeddings,
             routing=model_routing_shape(config),
         )
         self.device = torch.device("cpu" if on_cpu else "cuda")
-        self.model: Any = build_gpt_model(config, train, tp=tp, pp=pp).to(self.device)
-        self.load_hf_state_dict(hf_tensors)
+        self.model: Any = build_gpt_model(config, train, self.ranks).to(self.device)
+        self.specs = shard_specs(self.model, self.ranks, config) if self.distributed else {}
+        self.params = [(self.specs[name], param) for name, param in self.model.named_parameters() if self.specs]
+        self._load_initial(self.model, hf_tensors)
         self.routers = self._routers(self.model)
         self.reference: Any = None
         self.reference_routers: RouterReplays | None = None
         if train.loss.kl_coef > 0:
-            self.reference = build_gpt_model(config, train, tp=tp, pp=pp).to(self.device)
-            self._load_into(self.reference, hf_tensors)
+            self.reference = build_gpt_model(config, train, self.ranks).to(self.device)
+            self._load_initial(self.reference, hf_tensors)
             self.reference.requires_grad_(False)
             self.reference_routers = self._routers(self.reference)
         self.model.train()
@@ -164,41 +131,77 @@ class MegatronBackend(TrainBackend):
     @classmethod
     def from_settings(cls, settings: TrainerSettings, train: TrainConfig) -> MegatronBackend:
         assert settings.model_path is not None
-        return cls(
-            ModelConfig.from_dir(settings.model_path),
-            read_safetensors_dir(settings.model_path),
-            train,
-            tp=settings.megatron.tensor_model_parallel_size,
-            pp=settings.megatron.pipeline_model_parallel_size,
+        megatron = settings.megatron
+        sizes = ParallelSizes(tp=megatron.tp_size, pp=megatron.pp_size, ep=megatron.ep_size)
+        # Several ranks: each reads only the tensors of its own shards (memory-mapped), never the whole model.
+        source: Mapping[str, torch.Tensor] | LazyCheckpoint = (
+            LazyCheckpoint(settings.model_path)
+            if settings.world_size > 1
+            else read_safetensors_dir(settings.model_path)
         )
+        try:
+            return cls(ModelConfig.from_dir(settings.model_path), source, train, sizes=sizes)
+        finally:
+            if isinstance(source, LazyCheckpoint):
+                source.close()
+
+    def _load_initial(self, model: Any, source: Mapping[str, torch.Tensor] | LazyCheckpoint) -> None:
+        if not self.distributed:
+            assert isinstance(source, Mapping)
+            self._load_into(model, source)
+            return
+        specs = [(self.specs[name], param.data) for name, param in model.named_parameters()]
+        load_local(specs, lambda name: megatron_tensor(name, source.__getitem__, self.attention))
+
+    def data_ranks(self, rank: int, world_size: int) -> DataRanks:
+        """Data-parallel rank and size: TP and PP peers train the same micro-batches."""
+        return DataRanks(self.ranks.dp_rank, self.ranks.dp_size, reports_stats=self.ranks.reports_stats)
 
     def _routers(self, model: Any) -> RouterReplays | None:
         return RouterReplays(model, self.shape.routing) if self.shape.routing is not None else None
 
+    def _batch_shape(self, samples: Sequence[TrainSample]) -> tuple[int, int]:
+        """[batch, max_len] of the right-padded micro-batch; with EP > 1 the largest of the expert-parallel group
+        (megatron's allgather dispatcher gathers equal token counts from every EP rank)."""
+        shape = torch.tensor([len(samples), max(len(s.tokens) for s in samples)], device=comm_device())
+        if self.ranks.sizes.ep > 1:
+            from megatron.core import parallel_state  # type: ignore[import-untyped]
+
+            group = parallel_state.get_expert_tensor_and_model_parallel_group()
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+        return int(shape[0]), int(shape[1])
+
+    def _stage_forward(
+        self, model: Any, samples: Sequence[TrainSample], shape: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """This stage's output: the real vocabulary's float32 logits on the last stage, hidden states before.
+        Rows and columns beyond the samples (`shape`) are zeros: causal attention within a row and per-token
+        experts keep them out of every real position."""
+        batch, max_len = shape if shape is not None else self._batch_shape(samples)
+        ids = torch.zeros((batch, max_len), dtype=torch.long)
+        for row, sample in enumerate(samples):
+            ids[row, : len(sample.tokens)] = torch.tensor(sample.tokens)
+        positions = torch.arange(max_len).unsqueeze(0).expand(batch, -1)
+        causal_mask = torch.triu(torch.ones(max_len, max_len, dtype=torch.bool), diagonal=1)[None, None]
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.train_config.dtype == "bfloat16")
+        with autocast:
+            output: torch.Tensor = model(
+                ids.to(self.device), positions.to(self.device), attention_mask=causal_mask.to(self.device)
+            )
+        if not self.ranks.last_stage:
+            return output
+        return output.float()[..., : self.config.vocab_size]
+
     def _logits(
         self, model: Any, routers: RouterReplays | None, samples: Sequence[TrainSample]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[batch, max_len, vocab] logits of the right-padded micro-batch, and the per-MoE-layer routing agreement
-        (None for a dense model or samples without recorded routing)."""
-        max_len = max(len(s.tokens) for s in samples)
-        ids = torch.zeros((len(samples), max_len), dtype=torch.long)
-        for row, sample in enumerate(samples):
-            ids[row, : len(sample.tokens)] = torch.tensor(sample.tokens)
-        positions = torch.arange(max_len).unsqueeze(0).expand(len(samples), -1)
-        causal_mask = torch.triu(torch.ones(max_len, max_len, dtype=torch.bool), diagonal=1)[None, None]
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.train_config.dtype == "bfloat16")
-
-        def run() -> torch.Tensor:
-            with autocast:
-                logits: torch.Tensor = model(
-                    ids.to(self.device), positions.to(self.device), attention_mask=causal_mask.to(self.device)
-                )
-            return logits.float()
-
+        """[batch, max_len, vocab] logits of the right-padded micro-batch (one pipeline stage), and the
+        per-MoE-layer routing agreement (None for a dense model or samples without recorded routing)."""
+        shape = self._batch_shape(samples)
         if routers is None:
-            return run(), None
-        routing = recorded_routing(samples, max_len, routers.shape)
-        return routers.run(run, routing, replay=self.replay)
+            return self._stage_forward(model, samples, shape), None
+        routing = recorded_routing(samples, shape[1], routers.shape, batch=shape[0])
+        return routers.run(lambda: self._stage_forward(model, samples, shape), routing, replay=self.replay)
 
     def _token_outputs(
         self, logits: torch.Tensor, samples: Sequence[TrainSample], temperature: float, entropy_grad: bool
@@ -216,6 +219,10 @@ class MegatronBackend(TrainBackend):
         return torch.cat(picked).cpu(), torch.cat(entropies).cpu()
 
     def forward(self, samples: Sequence[TrainSample], *, temperature: float, entropy_grad: bool) -> TokenOutputs:
+        """One micro-batch. With PP > 1 a forward-only pass through the pipeline whose outputs the last stage
+        broadcasts to its pipeline peers (not differentiable: training goes through `run_micro_batches`)."""
+        if self.ranks.sizes.pp > 1:
+            return self._pipeline_forward(self.model, samples, temperature)
         logits, agreement = self._logits(self.model, self.routers, samples)
         logprobs, entropy = self._token_outputs(logits, samples, temperature, entropy_grad)
         return TokenOutputs(logprobs=logprobs, entropy=entropy, routing_agreement=agreement)
@@ -223,14 +230,61 @@ class MegatronBackend(TrainBackend):
     @torch.no_grad()
     def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
         assert self.reference is not None, "no reference model: kl_coef is 0"
+        if self.ranks.sizes.pp > 1:
+            return self._pipeline_forward(self.reference, samples, temperature).logprobs
         logits, _ = self._logits(self.reference, self.reference_routers, samples)
         return self._token_outputs(logits, samples, temperature, False)[0]
+
+    def _outputs_of(self, temperature: float) -> OutputsOf:
+        return lambda logits, samples, grad: self._token_outputs(logits, samples, temperature, grad)
+
+    def run_micro_batches(
+        self,
+        micro_batches: Sequence[Sequence[TrainSample]],
+        consume: Consume,
+        *,
+        temperature: float,
+        entropy_grad: bool,
+        backward: bool,
+    ) -> None:
+        """PP > 1: megatron's 1F1B schedule; `consume` runs on the last stage, where the logits are."""
+        if self.ranks.sizes.pp == 1:
+            super().run_micro_batches(
+                micro_batches, consume, temperature=temperature, entropy_grad=entropy_grad, backward=backward
+            )
+            return
+        outputs_of = self._outputs_of(temperature)
+        pipeline_micro_batches(
+            self.model,
+            micro_batches,
+            self._stage_forward,
+            outputs_of,
+            consume,
+            entropy_grad=entropy_grad,
+            backward=backward,
+        )
+
+    @torch.no_grad()
+    def reference_batches(
+        self, micro_batches: Sequence[Sequence[TrainSample]], *, temperature: float
+    ) -> list[torch.Tensor | None]:
+        if self.ranks.sizes.pp == 1:
+            return super().reference_batches(micro_batches, temperature=temperature)
+        assert self.reference is not None, "no reference model: kl_coef is 0"
+        return pipeline_references(self.reference, micro_batches, self._stage_forward, self._outputs_of(temperature))
+
+    def _pipeline_forward(self, model: Any, samples: Sequence[TrainSample], temperature: float) -> TokenOutputs:
+        return pipeline_forward(model, samples, self._stage_forward, self._outputs_of(temperature))
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, grad_clip_norm: float | None) -> float:
-        norm = global_grad_norm(self.model.parameters(), grad_clip_norm)
+        if not self.distributed:
+            norm = global_grad_norm(self.model.parameters(), grad_clip_norm)
+        else:
+            finalize_grads(self.params, self.ranks, qk_norm=self.config.qk_norm, tied=self.config.tie_word_embeddings)
+            norm = clip_grad_norm(self.params, grad_clip_norm)
         self.optimizer.step()
         return norm
 
@@ -241,19 +295,23 @@ class MegatronBackend(TrainBackend):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.distributed:
+            return gathered_hf_state(self.params, self.config, self.attention)
         state = {
             name: tensor.detach().float().cpu().clone()
             for name, tensor in self.model.state_dict().items()
             if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")
         }
-        return megatron_to_hf(state, self.layout, self.config.num_hidden_layers, tied=self.config.tie_word_embeddings)
+        return megatron_to_hf(
+            state, self.attention, self.config.num_hidden_layers, tied=self.config.tie_word_embeddings
+        )
 
-    def _load_into(self, model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    def _load_into(self, model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
         relevant = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:
             relevant.pop("lm_head.weight", None)
         mapped = hf_to_megatron(
-            relevant, self.layout, self.config.num_hidden_layers, tied=self.config.tie_word_embeddings
+            relevant, self.attention, self.config.num_hidden_layers, tied=self.config.tie_word_embeddings
         )
         own = model.state_dict()
         unknown = sorted(set(mapped) - set(own))
@@ -267,10 +325,19 @@ class MegatronBackend(TrainBackend):
                 own[name].copy_(tensor.to(own[name].dtype))
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Collective; with several ranks the tensors are read on rank 0 only and scattered shard by shard."""
+        if self.distributed:
+            scatter_hf_state([(spec, param.data) for spec, param in self.params], tensors, self.attention)
+            return
         self._load_into(self.model, tensors)
 
     def optimizer_state(self) -> dict[str, Any]:
+        if self.distributed:
+            return gathered_optimizer_state(self.params, self.optimizer, self.scheduler)
         return full_optimizer_state(self.model, self.optimizer, self.scheduler)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self.distributed:
+            load_gathered_optimizer_state(self.params, self.optimizer, self.scheduler, state)
+            return
         load_full_optimizer_state(self.model, self.optimizer, self.scheduler, state, distributed=False)

@@ -1,7 +1,7 @@
 """Hugging Face <-> Megatron-core tensor names and layouts for Llama-family decoders (Qwen3, Qwen2, Llama,
-Mistral) and Qwen3-MoE, for a GPTModel built with the local layer spec at tensor-parallel size 1 (MoE layers:
-SequentialMLP experts at expert-parallel size 1). Pure tensor code: no Megatron import, so it is unit-tested on
-its own.
+Mistral) and Qwen3-MoE, in the layout of a GPTModel built with the local layer spec at tensor-, pipeline- and
+expert-parallel size 1 (the *global* names and shapes; `megatron_shards.py` cuts them into each rank's shards).
+Pure tensor code: no Megatron import, so it is unit-tested on its own.
 
 | Hugging Face                                   | Megatron-core                                            |
 |------------------------------------------------|----------------------------------------------------------|
@@ -28,10 +28,15 @@ its own.
 A layer is mapped as MoE when its router is among the tensors (`mlp.gate.weight` one way, `mlp.router.weight`
 the other) and as a dense MLP otherwise, so a Qwen3-MoE checkpoint's `mlp_only_layers` / `decoder_sparse_step`
 dense layers map like any dense layer; the expert count is the router's row count.
+
+`hf_to_megatron` / `megatron_to_hf` map whole state dicts; `megatron_tensor` builds one global Megatron tensor
+from the HF tensors it is made of, read on demand (so a rank reads only what its shards need).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -166,3 +171,39 @@ def megatron_to_hf(
                 out[f"{hf}self_attn.v_proj.{kind}"] = v
         out |= _mlp_to_hf(tensors, mg + "mlp.", hf + "mlp.")
     return out
+
+
+_HF_OF_TOP = {mg: hf for hf, mg in _TOP_RENAMES.items()}
+_HF_OF_LAYER = {mg: hf for hf, mg in _LAYER_RENAMES.items()}
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+
+
+def megatron_tensor(name: str, read: Callable[[str], torch.Tensor], layout: AttentionLayout) -> torch.Tensor:
+    """The global Megatron tensor `name` (a name of the size-1 layout) from the HF tensors `read` returns by
+    name; the same values as `hf_to_megatron(...)[name]`."""
+    if name in _HF_OF_TOP:
+        return read(_HF_OF_TOP[name])
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None:
+        raise KeyError(f"no Hugging Face source for Megatron tensor {name!r}")
+    hf, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+    if suffix in _HF_OF_LAYER:
+        return read(hf + _HF_OF_LAYER[suffix])
+    if suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]
+        attn = hf + "self_attn."
+        return fuse_qkv(
+            read(f"{attn}q_proj.{kind}"), read(f"{attn}k_proj.{kind}"), read(f"{attn}v_proj.{kind}"), layout
+        )
+    if suffix == "mlp.linear_fc1.weight":
+        return torch.cat([read(hf + "mlp.gate_proj.weight"), read(hf + "mlp.up_proj.weight")])
+    if suffix == "mlp.router.weight":
+        return read(hf + "mlp.gate.weight")
+    expert = _EXPERT_NAME.fullmatch(suffix)
+    if expert is None:
+        raise KeyError(f"no Hugging Face source for Megatron tensor {name!r}")
+    source = f"{hf}mlp.experts.{expert.group(1)}."
+    if expert.group(2) == "linear_fc2":
+        return read(source + "down_proj.weight")
+    return torch.cat([read(source + "gate_proj.weight"), read(source + "up_proj.weight")])

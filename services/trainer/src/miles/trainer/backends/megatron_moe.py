@@ -9,9 +9,12 @@ bias. megatron-core's softmax router does the same with
   (softmax is monotone) and the same weights up to float rounding (exp(l_i) / sum over the k of exp(l_j)).
 Router logits are computed in float32 (`moe_router_dtype="fp32"`), no auxiliary or z-loss (the torch model has
 none), no token dropping. Experts are `SequentialMLP` (local spec; grouped GEMM needs CUDA kernels) behind the
-allgather token dispatcher: at expert-parallel size 1 it only permutes, and the alltoall one creates a CUDA
-stream in its constructor, so it cannot even be built on the CPU. megatron-core 0.16.1 without Transformer
-Engine needs one patch for MoE (`_patch_missing_te_gemm`).
+allgather token dispatcher: at expert-parallel size 1 it only permutes; with EP > 1 every rank gathers every EP
+rank's tokens (all_gather_into_tensor, which gloo has), runs its own experts on those routed to them and
+reduce-scatters the results back. It gathers equal token counts from every rank, so the backend pads each
+micro-batch to the largest [batch, length] of the EP group (filler rows and columns feed no output that is used).
+The alltoall dispatcher creates a CUDA stream in its constructor, so it cannot even be built on the CPU.
+megatron-core 0.16.1 without Transformer Engine needs one patch for MoE (`_patch_missing_te_gemm`).
 
 Replay: each router of a model built with `moe_enable_routing_replay=True` owns a `RouterReplay`. Before a
 forward the recorded top-k ids of every MoE layer are set on it (`set_target_indices`) with the action
@@ -26,8 +29,9 @@ Agreement: a forward hook on each router compares its own top-k set (recomputed 
 megatron's routing function when replaying; the routing it returned otherwise) with the recorded set, over the
 positions that carry recorded routing.
 
-Limits: expert parallelism is not driven (EP = 1); activation recomputation with replay would need the
-REPLAY_BACKWARD action between forward and backward, which this backend does not sequence, so it is refused.
+Limits: EP only with TP = PP = 1 (megatron_parallel.check_layout); activation recomputation with replay would
+need the REPLAY_BACKWARD action between forward and backward, which this backend does not sequence, so it is
+refused.
 """
 
 from __future__ import annotations
@@ -110,13 +114,16 @@ class RecordedRouting:
     recorded: torch.Tensor
 
 
-def recorded_routing(samples: Sequence[TrainSample], seq_len: int, shape: RoutingShape) -> RecordedRouting | None:
-    """The samples' recorded routing in micro-batch layout; None when no sample carries any (`is_routed`).
-    Raises ValueError for a wrong length, ids outside the model's experts or an expert repeated at a position
-    (megatron's routing map would silently route such a position to fewer than k experts)."""
+def recorded_routing(
+    samples: Sequence[TrainSample], seq_len: int, shape: RoutingShape, *, batch: int = 0
+) -> RecordedRouting | None:
+    """The samples' recorded routing in micro-batch layout (`batch` rows, default one per sample: rows beyond
+    the samples are filler); None when no sample carries any (`is_routed`). Raises ValueError for a wrong length,
+    ids outside the model's experts or an expert repeated at a position (megatron's routing map would silently
+    route such a position to fewer than k experts)."""
     if not any(is_routed(sample) for sample in samples):
         return None
-    batch = len(samples)
+    batch = max(batch, len(samples))
     filler = torch.arange(shape.top_k, dtype=torch.long)
     ids = filler.expand(shape.num_layers, seq_len, batch, shape.top_k).clone()
     recorded = torch.zeros(seq_len, batch, dtype=torch.bool)

@@ -251,6 +251,22 @@ class TorchBackend(TrainBackend):
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         load_full_optimizer_state(self.policy, self.optimizer, self.scheduler, state, distributed=self.distributed)
 
+    def sharded_state(self) -> dict[str, Any] | None:
+        """This rank's shards, nothing gathered (FSDP2's DTensors; plain tensors at world_size 1). Creates AdamW's
+        state first when no step ran yet (torch's helper runs a zero-lr step on zero gradients)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.policy, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.policy.lm.named_parameters()
 
