@@ -31,7 +31,7 @@ test-%: export PYTHONHASHSEED ?= 0
 
 .PHONY: help setup venv install protos tools redis-check sandbox-check test test-unit test-common test-model test-cli \
 	test-chart test-e2e chart-test chart-settings chart-docs e2e-kind lint mypy format pre-commit-install lock run \
-	chaos bench tiny-model clean
+	chaos bench gpu-check tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
@@ -46,6 +46,8 @@ help:
 	@echo "make pre-commit-install  the git pre-commit hook of .pre-commit-config.yaml (ruff, mypy, file hygiene)"
 	@echo "make run     the whole platform locally with a demo job"
 	@echo "make bench   every benchmark (bench-<name> runs one)"
+	@echo "make gpu-check  engine, trainer backends, nccl weights and MoE replay on one CUDA GPU (<10 min; SKIPs"
+	@echo "             without CUDA; GPU_CHECK_ARGS=--cpu runs the same checks on the CPU with tiny sizes)"
 	@echo "make lock    re-pin requirements/constraints.txt from .venv after a dependency change"
 	@echo "make clean   remove .venv, generated code and caches"
 
@@ -160,6 +162,15 @@ bench: $(addprefix bench-,$(BENCHES))
 
 bench-%:
 	$(PY) bench/$*.py
+
+# The GPU checks (scripts/gpu_check.py): .venv's python once make setup made one with torch, else python3 (a GPU
+# machine's own torch: the script puts the repo's src dirs on its path and names any module still missing).
+# Writes $$OUT/gpu.json when OUT is set, else bench/results/gpu.json.
+GPU_CHECK_ARGS ?=
+GPU_CHECK_PY = $(shell $(PY) -c 'import torch' >/dev/null 2>&1 && echo $(PY) || echo python3)
+
+gpu-check:
+	$(GPU_CHECK_PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The tiny Qwen3-architecture model every CPU test, benchmark and demo uses, built by our own script.
 TINY_MODEL_DIR ?= .miles/models/tiny-qwen3
