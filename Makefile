@@ -29,13 +29,14 @@ UNIT_TESTS := not integration and not e2e and not slow
 test chart-test: export PYTHONHASHSEED ?= 0
 test-%: export PYTHONHASHSEED ?= 0
 
-.PHONY: help setup venv install protos tools redis-check sandbox-check test test-unit test-common test-model test-cli \
+.PHONY: help setup venv install protos tools redis-check sandbox-check test test-slow test-unit test-common test-model test-cli \
 	test-chart test-e2e chart-test chart-settings chart-docs e2e-kind lint mypy format pre-commit-install lock run \
 	chaos bench gpu-check tiny-model clean
 
 help:
 	@echo "make setup   create .venv, install every package editable (pinned), generate protos, check Redis"
 	@echo "make test    unit + integration + e2e + chart tests, in parallel (TEST_WORKERS=4); prints the slowest"
+	@echo "             (all but the tests marked slow; make test-slow runs those; CI runs both)"
 	@echo "make test-unit     the tests that start no process (no Redis, no services, no helm): ~1-2 minutes"
 	@echo "make test-<service>  one service's tests, services/<service>/tests (make test-buffer, test-engine, ...)"
 	@echo "make test-common, test-model, test-cli, test-chart, test-e2e: libs/miles-common, libs/miles-model, cli,"
@@ -79,8 +80,13 @@ sandbox-check:
 redis-check: $(PY)
 	@$(PY) -c "from miles.common.testing import find_redis_server_binary as f; print('redis-server:', f())"
 
+# make test leaves out the tests marked slow (multi-process training, crash and restart matrices: ~10 minutes of
+# 2 cores on their own); make test-slow runs exactly those; CI runs both.
 test:
-	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" --durations=25 $(PYTEST_ARGS)
+
+test-slow:
+	$(PY) -m pytest $(XDIST) -m slow --durations=25 $(PYTEST_ARGS)
 
 test-unit:
 	$(PY) -m pytest $(call xdist,$(UNIT_WORKERS)) -m "$(UNIT_TESTS)" $(PYTEST_ARGS)

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
-from miles.common.testing import free_port
 from miles.trainer.rank_health import (
     FORMED_KEY,
     KEY_PREFIX,
@@ -167,8 +166,10 @@ def test_guard_gives_up_when_the_old_group_never_ends() -> None:
 def test_watchdog_over_a_real_tcp_store() -> None:
     """The calls the watchdog makes work on torch's TCPStore (set, multi_get, check), and a client of a store
     whose host went away fails, which is what the watchdog reads as `store gone`."""
-    port = free_port()
-    server = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    # Port 0: the store binds a port nobody else holds (a free_port() can be taken by a parallel test's store in
+    # between, and the two clients then talk to different servers).
+    server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    port = server.port
     client0, client1 = connect_store("127.0.0.1", port, 30.0), connect_store("127.0.0.1", port, 30.0)
     clock = Clock()
     rank0 = RankWatchdog(client0, 0, 2, "inc-0", 10.0, clock=clock)
