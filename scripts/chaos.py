@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -104,6 +105,19 @@ def pid_of(layout: Layout, job_id: str, target: str) -> int:
     return int(records[0]["pid"])
 
 
+def replaced_within(layout: Layout, job_id: str, target: str, pid: int, timeout_s: float) -> bool:
+    """Whether a new process of `target` takes over from `pid` within timeout_s. Polled, not sampled once at the
+    next step: a trainer with data buffered trains the next step before a killed engine's restart (its backoff)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(RuntimeError):  # between the death and the restart the job may list none
+            if pid_of(layout, job_id, target) != pid:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
 def wait_for_next_step(
     client: httpx.Client, layout: Layout, watch: Watch, after_step: int, timeout_s: float
 ) -> float | None:
@@ -148,7 +162,7 @@ def run_matrix(args: argparse.Namespace, layout: Layout, spec: dict[str, Any]) -
             step_at_kill = watch.step
             os.kill(pid, signal.SIGKILL)
             recovery_s = wait_for_next_step(client, layout, watch, step_at_kill, args.stall_bound_s * 3)
-            replaced = pid_of(layout, watch.job_id, target) != pid
+            replaced = replaced_within(layout, watch.job_id, target, pid, args.stall_bound_s)
             kills.append(
                 {"target": target, "pid": pid, "step": step_at_kill, "next_step_s": recovery_s, "new_pid": replaced}
             )
