@@ -308,11 +308,14 @@ def test_an_engine_registered_at_run_time_takes_new_sessions(cluster: Cluster) -
 
 # --- a paused engine and a router that starts after the pause ---------------------------------------------------------
 def engine_paused_gauge(router_url: str, engine_url: str) -> float | None:
-    """The router's miles_router_engine_paused for one engine (None when the series is absent)."""
-    for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("miles_router_engine_paused{") and f'engine="{engine_url}"' in line:
-            return float(line.split()[-1])
-    return None
+    """The router's miles_router_engine_paused for one engine, the largest over the pools it is in (each pool checks
+    its own copy on its own schedule; None when no series exists)."""
+    values = [
+        float(line.split()[-1])
+        for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("miles_router_engine_paused{") and f'engine="{engine_url}"' in line
+    ]
+    return max(values) if values else None
 
 
 def test_a_router_started_after_an_engine_was_paused_routes_nothing_to_it_until_it_continues(
