@@ -7,7 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints.txt
-PACKAGES := libs/miles-common libs/miles-model $(sort $(wildcard services/*)) cli
+PACKAGES := libs/miles-common libs/miles-model libs/miles-envserver $(sort $(wildcard services/*)) cli
+# The environment servers' interpreters: one per lock file of requirements/envs (make envs, make env-<name>).
+ENVS := $(sort $(basename $(notdir $(wildcard requirements/envs/*.txt))))
 # mypy --strict runs on the shared libraries, every service and the CLI.
 MYPY_TARGETS := $(filter-out %/proto,$(wildcard libs/*/src/miles/* services/*/src/miles/* cli/src/miles/*))
 empty :=
@@ -29,7 +31,7 @@ UNIT_TESTS := not integration and not e2e and not slow
 test chart-test: export PYTHONHASHSEED ?= 0
 test-%: export PYTHONHASHSEED ?= 0
 
-.PHONY: help setup venv install protos tools redis-check sandbox-check test test-slow test-unit test-common test-model test-cli \
+.PHONY: envs help setup venv install protos tools redis-check sandbox-check test test-slow test-unit test-common test-envserver test-model test-cli \
 	test-chart test-e2e chart-test chart-settings chart-docs e2e-kind lint mypy format pre-commit-install lock run \
 	chaos bench gpu-check tiny-model clean
 
@@ -43,6 +45,7 @@ help:
 	@echo "             the Helm chart (= chart-test), the cross-service tests of tests/"
 	@echo "             (PYTEST_ARGS='-k name -x' narrows any of them; TEST_WORKERS=0 runs in one process,"
 	@echo "             UNIT_WORKERS=0 for test-unit)"
+	@echo "make envs    the environment servers' own interpreters (.envs/<name>; make env-<name> builds one)"
 	@echo "make lint    ruff + mypy --strict (make mypy: mypy alone)"
 	@echo "make pre-commit-install  the git pre-commit hook of .pre-commit-config.yaml (ruff, mypy, file hygiene)"
 	@echo "make run     the whole platform locally with a demo job"
@@ -52,7 +55,14 @@ help:
 	@echo "make lock    re-pin requirements/constraints.txt from .venv after a dependency change"
 	@echo "make clean   remove .venv, generated code and caches"
 
-setup: install protos tools redis-check sandbox-check
+setup: install protos tools redis-check sandbox-check envs
+
+# Environment servers' own interpreters (.envs/<name>, ENVS above; scripts/make_env.py): rebuilt only when the
+# lock changed.
+envs: $(addprefix env-,$(ENVS))
+
+env-%: $(PY)
+	$(PY) scripts/make_env.py $*
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +103,9 @@ test-unit:
 
 test-common:
 	$(PY) -m pytest $(XDIST) libs/miles-common/tests $(PYTEST_ARGS)
+
+test-envserver:
+	$(PY) -m pytest $(XDIST) libs/miles-envserver/tests $(PYTEST_ARGS)
 
 test-model:
 	$(PY) -m pytest $(XDIST) libs/miles-model/tests $(PYTEST_ARGS)

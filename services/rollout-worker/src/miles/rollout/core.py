@@ -1,7 +1,8 @@
 """The worker of one job: everything built from settings, started, observed and stopped in one place.
 
 `RolloutWorker.build` fails at start-up (ConfigError) when the dataset cannot be read, the agent or reward
-function cannot be imported, or the cursor in Redis belongs to another dataset order. `start` runs the
+function cannot be imported, the environment server cannot start, or the cursor in Redis belongs to another
+dataset order. `start` runs the
 scheduler as a task; if it ever dies unexpectedly, `failed` is set and the process stops (loudly, non-zero).
 """
 
@@ -15,10 +16,10 @@ import redis.asyncio as aioredis
 
 from miles.buffer.client import BufferClient
 from miles.common.jobspec.rollout import RolloutSpec
-from miles.rollout.contracts import AgentFn, load_callable
 from miles.rollout.cursor import DatasetCursor
-from miles.rollout.dataset import Dataset, load_dataset
+from miles.rollout.dataset import Dataset
 from miles.rollout.episode import EpisodeRunner
+from miles.rollout.episode_source import EpisodeSource, open_episode_source
 from miles.rollout.ledger import SessionLedger
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.pusher import GroupPusher
@@ -47,8 +48,10 @@ class RolloutWorker:
         runner: EpisodeRunner,
         scheduler: RolloutScheduler,
         sweeper: OrphanSweeper,
+        source: EpisodeSource,
     ) -> None:
         self.settings = settings
+        self.source = source
         self.spec = spec
         self.dataset = dataset
         self.redis = redis_client
@@ -62,14 +65,25 @@ class RolloutWorker:
         self.failed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._sweeper_task: asyncio.Task[None] | None = None
+        self._environment_task: asyncio.Task[None] | None = None
 
     @classmethod
-    def build(cls, settings: RolloutSettings, metrics: RolloutMetrics) -> RolloutWorker:
+    async def build(cls, settings: RolloutSettings, metrics: RolloutMetrics) -> RolloutWorker:
         spec = settings.rollout
         assert spec is not None, "validated by RolloutSettings: a job has a rollout section"
+        source = await open_episode_source(spec, settings, metrics)
+        try:
+            return cls._wire(settings, metrics, spec, source)
+        except BaseException:
+            await source.close()
+            raise
+
+    @classmethod
+    def _wire(
+        cls, settings: RolloutSettings, metrics: RolloutMetrics, spec: RolloutSpec, source: EpisodeSource
+    ) -> RolloutWorker:
         job_id = settings.job_id
-        dataset = load_dataset(spec.dataset)
-        agent: AgentFn = load_callable(spec.agent.function, spec.agent.python_path, what="rollout.agent.function")
+        dataset, agent = source.dataset, source.agent
         sandbox_token = settings.sandbox_token.get_secret_value()
         sandbox = SandboxClient(settings.sandbox_address, token=sandbox_token) if settings.sandbox_address else None
         scorer = Scorer(spec.reward, job_id=job_id, sandbox=sandbox)
@@ -134,6 +148,7 @@ class RolloutWorker:
             runner=runner,
             scheduler=scheduler,
             sweeper=sweeper,
+            source=source,
         )
 
     async def start(self) -> None:
@@ -142,6 +157,8 @@ class RolloutWorker:
         self._task = asyncio.create_task(self.scheduler.run())
         self._task.add_done_callback(self._on_scheduler_done)
         self._sweeper_task = asyncio.create_task(self.sweeper.run())
+        if self.source.environment is not None:
+            self._environment_task = asyncio.create_task(self._fail_with(self.source.environment.failed))
         log.info(
             "rollout started",
             extra={
@@ -152,6 +169,10 @@ class RolloutWorker:
             },
         )
 
+    async def _fail_with(self, failed: asyncio.Event) -> None:
+        await failed.wait()
+        self.failed.set()
+
     def _on_scheduler_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("the scheduler stopped unexpectedly", exc_info=task.exception())
@@ -159,11 +180,12 @@ class RolloutWorker:
 
     async def stop(self) -> None:
         """Cancels the scheduler (in-flight episodes delete their sessions, leases are handed back), closes."""
-        tasks = [task for task in (self._task, self._sweeper_task) if task is not None]
+        tasks = [task for task in (self._task, self._sweeper_task, self._environment_task) if task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.runner.drain()
+        await self.source.close()
         await self.sessions.close()
         await self.buffer.close()
         if self.sandbox is not None:

@@ -32,6 +32,8 @@ class PromptRef:
 
 
 def _read_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
+    if spec.path is None:
+        raise DatasetError("rollout.dataset.path is required with an agent", field="dataset.path")
     is_parquet = spec.format == "parquet" or (spec.format == "auto" and spec.path.endswith(".parquet"))
     try:
         if is_parquet:
@@ -74,10 +76,11 @@ def _messages(value: Any, index: int, prompt_key: str) -> list[dict[str, Any]]:
 class Dataset:
     """The rows of the file with their prompt as OpenAI messages, and the per-epoch permutations."""
 
-    def __init__(self, spec: DatasetSpec, rows: list[dict[str, Any]]) -> None:
+    def __init__(self, spec: DatasetSpec, rows: list[dict[str, Any]], *, extra_fingerprint: str = "") -> None:
         if not rows:
-            raise DatasetError(f"dataset {spec.path!r} has no rows", field="dataset.path")
+            raise DatasetError(f"dataset {spec.path or 'of the environment'} has no rows", field="dataset.path")
         self.spec = spec
+        self.extra_fingerprint = extra_fingerprint
         self._rows = [
             {**row, "messages": _messages(row.get(spec.prompt_key), i, spec.prompt_key)} for i, row in enumerate(rows)
         ]
@@ -90,7 +93,8 @@ class Dataset:
     @property
     def fingerprint(self) -> str:
         """What the order of prompts depends on; a cursor made for another fingerprint cannot be resumed."""
-        return f"rows={len(self)};shuffle={self.spec.shuffle};seed={self.spec.seed}"
+        base = f"rows={len(self)};shuffle={self.spec.shuffle};seed={self.spec.seed}"
+        return f"{base};{self.extra_fingerprint}" if self.extra_fingerprint else base
 
     @property
     def num_seqs(self) -> int | None:

@@ -9,6 +9,8 @@ Every failure ends as a sample status with a reason, never as an exception out o
 | the agent raised (error text kept in metadata)  | ABORTED   | agent_error              |
 | the agent returned something else than a dict   | ABORTED   | agent_error              |
 | the agent ran past agent.timeout_s (cancelled)  | ABORTED   | timeout                  |
+| the environment raised, or its server was down  | ABORTED   | environment_error        |
+| the environment's result broke the protocol     | ABORTED   | bad_reward               |
 | the agent never called the model                | ABORTED   | no_model_call            |
 | nothing fits max_seq_len                        | ABORTED   | all_truncated            |
 | session server unreachable at create (retried)  | ABORTED   | session_unavailable      |
@@ -38,7 +40,7 @@ from miles.common.jobspec.rollout import RolloutSpec
 from miles.proto.common.v1 import common_pb2
 from miles.rollout import samples as sample_ops
 from miles.rollout.contracts import AgentFn, AgentResult, parse_agent_result
-from miles.rollout.errors import SampleAssemblyFailedError
+from miles.rollout.errors import EpisodeAbortedError, SampleAssemblyFailedError
 from miles.rollout.ledger import SessionLedger
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.rewards import EpisodeToScore, Scorer
@@ -212,7 +214,7 @@ class EpisodeRunner:
             "attempt": attempt,
             "label": copy.deepcopy(task.label),
             "max_seq_len": self.spec.max_seq_len,
-            "agent_config": copy.deepcopy(self.spec.agent.config),
+            "agent_config": copy.deepcopy(self.spec.agent.config if self.spec.agent is not None else {}),
             "worker_id": self.worker_id,
         }
 
@@ -220,7 +222,7 @@ class EpisodeRunner:
         self, task: EpisodeTask, metadata: dict[str, Any], base_url: str
     ) -> tuple[AgentResult, str | None, str]:
         """(result, error text or None, reason)."""
-        timeout_s = self.spec.agent.timeout_s
+        timeout_s = self.spec.episode_timeout_s
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
@@ -229,6 +231,8 @@ class EpisodeRunner:
             if deadline.expired():  # ours, not a TimeoutError the agent raised itself
                 return AgentResult(), f"the agent ran past its timeout of {timeout_s:g} s and was cancelled", "timeout"
             return AgentResult(), _error_text(exc), "agent_error"
+        except EpisodeAbortedError as exc:  # an environment's own reasons (environment_error, bad_reward)
+            return AgentResult(), exc.message[-sample_ops.MAX_ERROR_CHARS :], exc.reason
         except Exception as exc:  # the agent is user code: any exception becomes an ABORTED sample
             return AgentResult(), _error_text(exc), "agent_error"
         try:

@@ -28,6 +28,24 @@ class CursorMismatchError(ConfigError):
     code = "cursor_mismatch"
 
 
+class EnvironmentStartError(ConfigError):
+    """The environment server could not start: no interpreter, bad connector args, or setup failed or ran past
+    its startup timeout (the message carries the server's last output)."""
+
+    code = "environment_start"
+
+
+class EpisodeAbortedError(Exception):
+    """An agent or environment gives up on an episode for a named reason (the episode ends ABORTED with it):
+    `environment_error` (the environment raised or its server was unreachable), `bad_reward` (a malformed
+    result)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 class SessionServerUnavailableError(UnavailableError):
     """The session server stayed unreachable (or answered 5xx/429) for the whole retry budget."""
 

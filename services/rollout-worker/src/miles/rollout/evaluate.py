@@ -19,13 +19,13 @@ from typing import Any
 
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.telemetry import Metrics
-from miles.rollout.contracts import AgentFn, load_callable
-from miles.rollout.dataset import load_dataset
 from miles.rollout.episode import EpisodeRunner, EpisodeTask
+from miles.rollout.episode_source import open_episode_source
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.rewards import Scorer
 from miles.rollout.sandbox import SandboxClient, sandbox_metadata
 from miles.rollout.sessions import SessionClient
+from miles.rollout.settings import RolloutSettings
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,14 @@ async def evaluate(
 ) -> EvalResult:
     """Greedy episodes over the dataset of `spec` (its first `limit` rows, in file order)."""
     spec = greedy(spec)
-    dataset = load_dataset(spec.dataset.model_copy(update={"shuffle": False, "limit": limit}))
-    agent: AgentFn = load_callable(spec.agent.function, spec.agent.python_path, what="rollout.agent.function")
+    metrics = RolloutMetrics(Metrics("rollout"))
+    source = await open_episode_source(
+        spec,
+        RolloutSettings(),  # MILES_ROLLOUT_ENVS_DIR etc. from the environment, for a job with a hub environment
+        metrics,
+        dataset_spec=spec.dataset.model_copy(update={"shuffle": False, "limit": limit}),
+    )
+    dataset, agent = source.dataset, source.agent
     sandbox = SandboxClient(sandbox_address, token=sandbox_token) if sandbox_address else None
     sessions = SessionClient(session_url, operator_token=operator_token, request_timeout_s=120.0, retry_budget_s=30.0)
     extra = sandbox_metadata(sandbox_http_url, sandbox_address, sandbox_token)
@@ -73,7 +79,7 @@ async def evaluate(
         sessions=sessions,
         agent=agent,
         scorer=Scorer(spec.reward, job_id=job_id, sandbox=sandbox),
-        metrics=RolloutMetrics(Metrics("rollout")),
+        metrics=metrics,
         worker_id="eval",
         agent_extra_metadata=extra,
     )
@@ -91,6 +97,7 @@ async def evaluate(
         results = await asyncio.gather(*(one(i) for i in range(len(dataset))))
     finally:
         await runner.drain()
+        await source.close()
         await sessions.close()
         if sandbox is not None:
             await sandbox.close()

@@ -25,7 +25,7 @@ from miles.rollout.settings import RolloutSettings
 async def run(settings: RolloutSettings) -> int:
     metrics = Metrics(SERVICE)
     rollout_metrics = RolloutMetrics(metrics)
-    worker = RolloutWorker.build(settings, rollout_metrics) if settings.job_id else None
+    worker = await RolloutWorker.build(settings, rollout_metrics) if settings.job_id else None
     stop = asyncio.Event()
     on_shutdown = []
     if worker is not None:

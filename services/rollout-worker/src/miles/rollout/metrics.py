@@ -66,3 +66,10 @@ class RolloutMetrics:
         self.tito_critical_episodes = metrics.counter(
             "tito_critical_episodes", "Episodes whose token buffer differed critically from a fresh render"
         )
+        self.environment_restarts = metrics.counter(
+            "environment_restarts",
+            "Environment-server restarts by cause (exited: its process ended; unresponsive: /healthz failed "
+            "health_failures_to_restart checks in a row)",
+            ["cause"],
+        )
+        self.environment_up = metrics.gauge("environment_up", "1 while the job's environment server answers /healthz")

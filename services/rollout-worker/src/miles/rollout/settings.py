@@ -86,6 +86,25 @@ class RolloutSettings(ServiceSettings):
     """The job's capability at the sandbox gateway (the controller mints it; it opens only this job's
     sandboxes), sent by the `unit_tests` verifier and handed to agents as `metadata["sandbox_token"]`."""
 
+    environment_url: str = ""
+    """URL of the job's environment server when something else runs it (on Kubernetes: the per-job
+    environment-server Service); empty: this worker starts one itself as a subprocess (jobs with
+    rollout.environment only)."""
+
+    envs_dir: str = ".envs"
+    """Where the environment servers' interpreters are (`<envs_dir>/<name>/bin/python`, built by `make envs`); a
+    relative path resolves against the working directory, else against the repository of the installed
+    miles-envserver (a development checkout)."""
+
+    environment_health_interval_s: float = Field(default=2.0, gt=0)
+    """Seconds between checks of the environment server's /healthz (and of its process, when local)."""
+
+    environment_health_timeout_s: float = Field(default=5.0, gt=0)
+    """A /healthz slower than this counts as a failed check."""
+
+    environment_failures_to_restart: int = Field(default=3, ge=1)
+    """Failed checks in a row after which a local environment server is killed and restarted (a hung one)."""
+
     requeue_poll_interval_s: float = Field(default=5.0, gt=0)
     """How often the buffer is asked for prompts to regenerate (groups requeued as stale)."""
 

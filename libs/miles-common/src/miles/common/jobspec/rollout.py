@@ -3,8 +3,10 @@ and grouped, and how many run at once.
 
 The controller validates it as part of the whole `JobSpec` (422 naming the field path) and hands it to each
 rollout worker as `{"rollout": {...}}` inside the JSON file named by `MILES_ROLLOUT_CONFIG_FILE`; the worker
-validates it again at start-up with this same model. Every field has a default except `dataset.path` and
-`agent.function`. Dotted paths (`module:function`) are imported by the worker, never by the controller.
+validates it again at start-up with this same model. A job runs either its own agent (`dataset.path` and
+`agent.function` are then required) or a hub environment (`environment`: the environment gives the prompts, runs
+each episode and scores it). Dotted paths (`module:function`) are imported by the worker, never by the
+controller.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ class _Section(BaseModel):
 class DatasetSpec(_Section):
     """Prompts: one row per prompt, read whole into memory at start-up."""
 
-    path: str = Field(min_length=1)
+    path: str | None = Field(default=None, min_length=1)
     """JSONL or Parquet file: a local path (relative to the worker's working directory) or any fsspec URL
-    whose filesystem is installed (`s3://`, `gs://`, `https://` ...)."""
+    whose filesystem is installed (`s3://`, `gs://`, `https://` ...). Required with an agent; none with an
+    environment (its rows are the prompts; shuffle, seed, num_epochs and limit still apply)."""
 
     format: Literal["auto", "jsonl", "parquet"] = "auto"
     """File format; `auto` reads `.parquet` as Parquet and anything else as JSONL."""
@@ -90,6 +93,46 @@ class AgentSpec(_Section):
 
     config: dict[str, Any] = Field(default_factory=dict)
     """Free-form configuration handed to the agent as `metadata["agent_config"]`."""
+
+
+CONNECTORS = ("reasoning_gym", "verifiers", "openenv", "harbor")
+"""The built-in environment connectors (libs/miles-envserver/src/miles/envserver/connectors)."""
+
+_CONNECTOR_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
+
+
+class EnvironmentSpec(_Section):
+    """A hub environment run by an environment server in its own interpreter (docs/environments.md)."""
+
+    connector: str = Field(pattern=_CONNECTOR_PATTERN)
+    """`reasoning_gym`, `verifiers`, `openenv`, `harbor`, or the dotted module path of your own connector (a
+    module with `create(args) -> miles.envserver.base.Environment`, importable by `interpreter`)."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """The connector's arguments (which environment, its options), passed to it unchanged as JSON."""
+
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put on the server's PYTHONPATH (a custom connector's own modules; relative: to the worker's
+    working directory)."""
+
+    interpreter: str = ""
+    """The Python that runs the environment server locally; "": `<envs_dir>/<connector with - for _>/bin/python`
+    (built by `make env-<name>`). A custom connector names one of those or its own."""
+
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Wall-clock limit of one episode (the environment's whole protocol and scoring); past it the episode is
+    ABORTED (reason `timeout`)."""
+
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the server may take to load the environment before the worker gives up (and restarts it)."""
+
+    replicas: int = Field(default=1, ge=1, le=64)
+    """Environment-server pods of the job on Kubernetes (locally: one server per rollout worker)."""
+
+    @property
+    def env_name(self) -> str:
+        """The name of the connector's interpreter (`.envs/<env_name>`, `make env-<env_name>`)."""
+        return self.connector.replace("_", "-") if self.connector in CONNECTORS else self.connector
 
 
 class AgentRewardSpec(_Section):
@@ -212,11 +255,14 @@ class ConcurrencySpec(_Section):
 class RolloutSpec(_Section):
     """The rollout section of a job spec."""
 
-    dataset: DatasetSpec
-    """Where the prompts come from."""
+    dataset: DatasetSpec = DatasetSpec()
+    """Where the prompts come from (with an environment: only how its rows are ordered and repeated)."""
 
-    agent: AgentSpec
-    """The agent every episode runs."""
+    agent: AgentSpec | None = None
+    """The agent every episode runs (exactly one of agent and environment)."""
+
+    environment: EnvironmentSpec | None = None
+    """A hub environment that gives the prompts, runs every episode and scores it (instead of an agent)."""
 
     reward: RewardSpec = AgentRewardSpec()
     """How an episode is scored after it ends (the agent's own reward by default)."""
@@ -255,6 +301,32 @@ class RolloutSpec(_Section):
         return value
 
     @model_validator(mode="after")
+    def _agent_or_environment(self) -> Self:
+        if (self.agent is None) == (self.environment is None):
+            raise ValueError("give exactly one of rollout.agent (your own agent) and rollout.environment")
+        if self.agent is not None and self.dataset.path is None:
+            raise ValueError("rollout.dataset.path is required with rollout.agent")
+        if self.environment is not None:
+            if self.dataset.path is not None:
+                raise ValueError(
+                    "rollout.dataset.path must be absent with rollout.environment: its rows are the prompts"
+                )
+            if self.reward.type != "agent":
+                raise ValueError(
+                    f"rollout.reward.type must be `agent` with rollout.environment (its own scorer gives the reward), "
+                    f"not {self.reward.type!r}"
+                )
+        return self
+
+    @property
+    def episode_timeout_s(self) -> float:
+        """The agent's or the environment's per-episode limit."""
+        if self.environment is not None:
+            return self.environment.timeout_s
+        assert self.agent is not None, "validated: an agent or an environment"
+        return self.agent.timeout_s
+
+    @model_validator(mode="after")
     def _filters_fit_group(self) -> Self:
         if self.group_filters.min_valid_samples > self.n_samples_per_prompt:
             raise ValueError(
@@ -265,4 +337,4 @@ class RolloutSpec(_Section):
 
     @property
     def resolved_session_ttl_s(self) -> float:
-        return self.session_ttl_s if self.session_ttl_s is not None else self.agent.timeout_s + 300.0
+        return self.session_ttl_s if self.session_ttl_s is not None else self.episode_timeout_s + 300.0

@@ -1,0 +1,1 @@
+"""One module per connector; each has `create(args: dict) -> Environment` (see `miles.envserver.base`)."""
