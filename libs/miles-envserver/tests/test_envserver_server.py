@@ -76,10 +76,13 @@ async def test_health_is_503_until_setup_then_rows_and_info(served: Any) -> None
 
 
 async def test_episodes_answer_results_and_precise_errors(served: Any) -> None:
-    _, environment, client = served
+    server, environment, client = served
     environment.allow_setup.set()
-    while (await client.get("/healthz")).status_code != 200:
+    for _ in range(100):
+        if server.ready:
+            break
         await asyncio.sleep(0.01)
+    assert (await client.get("/healthz")).status_code == 200
     answer = await client.post("/v1/episodes", json=episode(2))
     assert answer.status_code == 200
     result = EpisodeResult.from_json(answer.json())
@@ -114,5 +117,5 @@ def test_a_malformed_result_names_its_field(body: dict[str, Any], field: str) ->
 def test_rows_need_a_prompt_of_text_or_messages() -> None:
     assert Row.from_json({"prompt": [{"role": "user", "content": "hi"}]}).prompt[0]["content"] == "hi"
     for prompt in (None, [], [{"content": "no role"}], 3):
-        with pytest.raises(ProtocolError, match="row.prompt"):
+        with pytest.raises(ProtocolError, match=r"row\.prompt"):
             Row.from_json({"prompt": prompt})

@@ -47,7 +47,7 @@ class MisbehavingEnvironment(Environment):
         if mode == "crash":
             os._exit(3)
         if mode == "hang":
-            time.sleep(3600)  # blocks the loop on purpose: a hung environment
+            time.sleep(3600)  # noqa: ASYNC251 - blocks the loop on purpose: a hung environment
         if mode == "bad":
             return _BadResult(reward=0.0)
         if mode == "slow":

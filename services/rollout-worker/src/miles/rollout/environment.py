@@ -200,6 +200,7 @@ class LocalEnvironmentServer(EnvironmentServer):
         self.interpreter = resolve_interpreter(spec, settings.envs_dir)
         self.workdir = Path(tempfile.mkdtemp(prefix="miles-envserver-"))
         self.log_path = self.workdir / "server.log"
+        self.python_path = os.pathsep.join(str(Path(p).resolve()) for p in spec.python_path)
         self.process: asyncio.subprocess.Process | None = None
         self.backoff_s = 1.0
 
@@ -222,8 +223,8 @@ class LocalEnvironmentServer(EnvironmentServer):
         argv += ["--port-file", str(port_file)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PYTHONPATH", None)  # the services' packages must not leak into the environment's interpreter
-        if self.spec.python_path:
-            env["PYTHONPATH"] = os.pathsep.join(str(Path(p).resolve()) for p in self.spec.python_path)
+        if self.python_path:
+            env["PYTHONPATH"] = self.python_path
         with self.log_path.open("ab") as log_file:
             self.process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env
