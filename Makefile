@@ -163,11 +163,16 @@ lock:
 
 # The whole platform locally with the calculator tool-use demo (scripts/demo.py): builds the demo model when
 # missing, miles up, the job in fully-async mode, reward table and the final `demo ...` line, then miles down.
-# `make run DEMO_ARGS=--keep-up` leaves the platform running.
+# `make run DEMO_ARGS=--keep-up` leaves the platform running. `make run DEMO=reasoning`: the reasoning-gym demo
+# (examples/reasoning_gym/job.yaml; its environment's interpreter is built first).
 DEMO_ARGS ?=
+DEMO ?= calculator
+DEMO_SPEC_calculator := examples/calculator_tool/job.yaml
+DEMO_SPEC_reasoning := examples/reasoning_gym/job.yaml
+DEMO_NEEDS_reasoning := env-reasoning-gym
 
-run: $(PY)
-	$(PY) scripts/demo.py $(DEMO_ARGS)
+run: $(PY) $(DEMO_NEEDS_$(DEMO))
+	$(PY) scripts/demo.py --spec $(or $(DEMO_SPEC_$(DEMO)),$(error DEMO=$(DEMO): calculator or reasoning)) $(DEMO_ARGS)
 
 # The kill matrix: kill -9 of every shared service and per-job process once during a short job (scripts/chaos.py).
 chaos: $(PY)

@@ -4,12 +4,14 @@
 
 1. builds the demo model (`examples/calculator_tool/warmup.py`: tiny Qwen3 architecture, small-vocabulary Qwen3
    tokenizer, a short supervised warm-up) at the spec's `model.path` when it is missing; a path whose directory
-   name ends in `-moe` (`examples/calculator_tool/job_moe.yaml`) is built as the tiny Qwen3-MoE variant instead;
+   name ends in `-moe` (`examples/calculator_tool/job_moe.yaml`) is built as the tiny Qwen3-MoE variant instead,
+   and `reasoning-demo` (`examples/reasoning_gym/job.yaml`, `make run DEMO=reasoning`) by that example's warmup.py;
 2. `miles up` (unless a platform is already up under --home, which is then reused and left up);
 3. submits the job (fully-async GRPO) and follows it live until it ends;
 4. evaluates the model before and after training on held-out prompts (`examples/calculator_tool/eval.jsonl`: no
-   prompt of the training set), greedy, with the job's agent and reward (`miles eval`: one engine on the initial
-   model, then on the final checkpoint);
+   prompt of the training set; for a job with a hub environment, the environment's rows made with
+   --eval-environment-args, another seed), greedy, with the job's agent and reward (`miles eval`: one engine on
+   the initial model, then on the final checkpoint);
 5. prints the reward per step and the final line
    `demo eval_before=<e0> eval_after=<e1> reward_first=<a> reward_last=<b> steps=<n> staleness_mean=<s>
    prefix_hit=<h> tito_critical=<c>`, where reward_first / reward_last are the mean rewards of the first / last
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +53,7 @@ ROUTING_REJECT_REASONS = ("missing_routing", "bad_routing")
 
 
 MOE_MODEL_SUFFIX = "-moe"
+REASONING_MODEL_NAME = "reasoning-demo"
 """A model directory named like this (`.miles/models/calculator-demo-moe`) is built as the tiny Qwen3-MoE."""
 
 
@@ -57,9 +61,15 @@ def ensure_model(path: Path) -> None:
     if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
         console.print(f"demo model: {path} (exists)")
         return
+    started = time.monotonic()
+    if path.name == REASONING_MODEL_NAME:  # examples/reasoning_gym/job.yaml: its own warm-up (a script, not a module:
+        # examples/reasoning_gym must not shadow the real reasoning_gym package)
+        console.print(f"building the reasoning demo model at {path} (tiny Qwen3 + warm-up) ...")
+        subprocess.run([sys.executable, str(REPO_ROOT / "examples/reasoning_gym/warmup.py"), str(path)], check=True)
+        console.print(f"demo model built in {time.monotonic() - started:.0f}s")
+        return
     from calculator_tool.warmup import build_demo_model
 
-    started = time.monotonic()
     moe = path.name.endswith(MOE_MODEL_SUFFIX)
     console.print(f"building the demo model at {path} (tiny Qwen3{'-MoE' if moe else ''} + warm-up) ...")
     build_demo_model(path, moe=moe)
@@ -170,21 +180,29 @@ def final_checkpoint_model(layout: Layout, job_id: str) -> Path:
     return steps[-1] / "model"
 
 
-def evaluate(layout: Layout, spec: dict[str, Any], model_dir: Path, eval_path: Path, what: str) -> float:
+def evaluate(
+    layout: Layout, spec: dict[str, Any], model_dir: Path, eval_path: Path, what: str, environment_args: str
+) -> float:
+    """Greedy mean reward on held-out prompts: eval_path's rows, or (a job with a hub environment) the environment's
+    rows made with `environment_args` merged into its args (another seed)."""
     import asyncio
 
     from miles.cli.evaluation import evaluate_model, platform_endpoints
     from miles.common.jobspec.job import JobSpec
 
     started = time.monotonic()
-    with console.status(f"evaluating the {what} model on {eval_path.name}"):
+    job_spec = JobSpec.model_validate(spec)
+    on_environment = job_spec.rollout.environment is not None
+    source = f"environment rows with {environment_args}" if on_environment else eval_path.name
+    with console.status(f"evaluating the {what} model on {source}"):
         result = asyncio.run(
             evaluate_model(
                 platform_endpoints(layout),
-                JobSpec.model_validate(spec),
+                job_spec,
                 model_dir,
                 log_dir=layout.log_dir,
-                dataset_path=str(eval_path),
+                dataset_path=None if on_environment else str(eval_path),
+                environment_args=json.loads(environment_args) if on_environment else None,
             )
         )
     console.print(
@@ -207,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     layout = Layout(args.home)
     started_platform = ensure_platform(layout)
     try:
-        eval_before = evaluate(layout, spec, model_path, args.eval, "initial")
+        eval_before = evaluate(layout, spec, model_path, args.eval, "initial", args.eval_environment_args)
         with controller_client(args.home, None) as client:
             response = client.post("/v1/jobs", json=spec)
             if response.status_code != 201:
@@ -221,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
         if job["state"] != "SUCCEEDED":
             console.print(f"[red]job {job['job_id']} {job['state']}[/]: {job.get('errors')}")
             return 1
-        eval_after = evaluate(layout, spec, final_checkpoint_model(layout, job["job_id"]), args.eval, "trained")
+        final_model = final_checkpoint_model(layout, job["job_id"])
+        eval_after = evaluate(layout, spec, final_model, args.eval, "trained", args.eval_environment_args)
         moe = is_moe_model(model_path)
         line = summary_line(watch, job, (eval_before, eval_after), moe=moe)
         rise = edge_mean(watch.rewards_by_step, last=True) - edge_mean(watch.rewards_by_step, last=False)
@@ -250,6 +269,12 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=REPO_ROOT / ".miles")
     parser.add_argument("--keep-up", action="store_true", help="leave the platform running afterwards")
     parser.add_argument("--eval", type=Path, default=REPO_ROOT / "examples/calculator_tool/eval.jsonl")
+    parser.add_argument(
+        "--eval-environment-args",
+        default='{"seed": 1, "size": 48}',
+        help="for a job with a hub environment: merged into its args for the evaluation (reasoning-gym: another "
+        "seed gives rows the job does not train on)",
+    )
     parser.add_argument("--min-eval-rise", type=float, default=0.2, help="eval_after - eval_before needed to pass")
     parser.add_argument("--min-rise", type=float, default=0.1, help="reward_last - reward_first needed to pass")
     parser.add_argument("--seed", type=int, default=None, help="train.seed and the dataset order (default: spec's)")

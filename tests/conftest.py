@@ -249,10 +249,11 @@ class Stack:
         sampling_defaults: dict[str, Any] | None = None,
         capacity_groups: int = 0,
         stale_policy: Literal["drop", "requeue"] = "drop",
+        model_path: Path | None = None,
     ) -> None:
         """What the controller does for a job: the session server's job config and the buffer's job config."""
         body = {
-            "model_path": str(self.model_dir),
+            "model_path": str(model_path or self.model_dir),
             "model_family": "qwen3",
             "engine_pool": engine_pool,
             "chat_template_kwargs": {"enable_thinking": False},

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -114,14 +114,19 @@ async def evaluate_model(
     log_dir: Path,
     dataset_path: str | None = None,
     limit: int | None = None,
+    environment_args: dict[str, Any] | None = None,
 ) -> EvalResult:
-    """The EvalResult (miles.rollout.evaluate) of `model_dir` on the spec's (or `dataset_path`'s) prompts."""
+    """The EvalResult (miles.rollout.evaluate) of `model_dir` on the spec's (or `dataset_path`'s) prompts; for a
+    job with a hub environment, `environment_args` are merged into its args (e.g. another seed: held-out rows)."""
     from miles.rollout.evaluate import evaluate
 
     job_id = f"eval-{uuid.uuid4().hex[:10]}"
     rollout = spec.rollout
     if dataset_path is not None:
         rollout = rollout.model_copy(update={"dataset": rollout.dataset.model_copy(update={"path": dataset_path})})
+    if environment_args and rollout.environment is not None:
+        merged = {**rollout.environment.args, **environment_args}
+        rollout = rollout.model_copy(update={"environment": rollout.environment.model_copy(update={"args": merged})})
     config = eval_session_config(spec, model_dir, job_id)
     headers = {"authorization": f"Bearer {endpoints.operator_token}"}
     session_config = f"{endpoints.session_url.rstrip('/')}/v1/jobs/{job_id}/config"

@@ -94,6 +94,7 @@ class EnvironmentServer:
             result = await self.environment.run_episode(request)
         except Exception as exc:  # the environment's own code: its error is the episode's error
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
+            log.warning("episode failed: %s: %s", type(exc).__name__, str(exc)[:500])
             raise HttpError(500, "environment_error", text[-4000:]) from exc
         finally:
             self.num_episodes_running -= 1

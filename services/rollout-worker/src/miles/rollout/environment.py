@@ -103,6 +103,7 @@ class EnvironmentServer:
         await self._bring_up()
         self.rows = await self._fetch_rows()
         self.digest = rows_digest(self.rows)
+        self.metrics.environment_up.set(1.0)
         self._watch = asyncio.create_task(self._watch_loop())
 
     async def stop(self) -> None:

@@ -1,0 +1,154 @@
+"""Hub environments end to end, one per connector, each a real environment from its package in its own
+interpreter (`.envs/<name>`, `make envs`): a rollout worker collects groups whose rewards come from the
+environment's own scorer (rubric, verifier, step rewards), with TITO critical 0; then a short job of the same
+spec runs on the local backend (engines, worker, buffer, trainer, weight-sync) and trains to its last step.
+
+The engine of the rollout phase is `--fake-model` (hash sampling: answers are rarely right, so rewards are
+mostly 0; the connectors' own tests score right and wrong answers). Training needs reward variance within a
+group, which a random model never gets from these scorers: the training job is reasoning-gym's demo job with its
+warmed-up model (examples/reasoning_gym/warmup.py), whose answers are sometimes right; the trainer skips steps
+without signal, so reaching the last step means the environment's rewards made the advantages. That the reward
+rises over a longer run is `make run DEMO=reasoning`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.backends.local import LocalJobBackend
+from miles.proto.common.v1 import common_pb2
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENVS_DIR = REPO_ROOT / ".envs"
+
+CONNECTORS: dict[str, dict[str, Any]] = {
+    "reasoning_gym": {"example": "reasoning_gym", "reward_info": "score"},
+}
+"""connector -> the example whose job spec it runs, and a key its scorer puts in every sample's reward_info."""
+
+
+@pytest.fixture(scope="module")
+def stack_options(make_stack_options: Any) -> Any:
+    return make_stack_options(engine="fake", num_engines=1, sandbox=True)
+
+
+def example_rollout(connector: str) -> dict[str, Any]:
+    spec = yaml.safe_load((REPO_ROOT / "examples" / CONNECTORS[connector]["example"] / "job.yaml").read_text())
+    rollout: dict[str, Any] = spec["rollout"]
+    assert rollout["environment"]["connector"] == connector
+    env_name = connector.replace("_", "-")
+    python = ENVS_DIR / env_name / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run `make env-{env_name}` (make setup builds every one)"
+    rollout["dataset"] = {**rollout.get("dataset", {}), "limit": 2, "num_epochs": 1, "shuffle": False}
+    rollout.update(
+        n_samples_per_prompt=2,
+        group_filters={"drop_equal_rewards": False, "min_valid_samples": 1},
+        concurrency={"max_live_episodes": 4},
+    )
+    rollout["request_kwargs"] = {**rollout.get("request_kwargs", {}), "temperature": 1.0}
+    return rollout
+
+
+def wait_until_exhausted(worker: Any, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s  # a ceiling only, so that a hang shows the log
+    while not worker.status().get("exhausted"):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+def test_an_environment_fills_groups_scored_by_its_own_scorer(stack: Any, connector: str) -> None:
+    job_id = f"env-{connector.replace('_', '-')}"
+    stack.register_job(job_id)
+    worker = stack.worker(job_id, example_rollout(connector)).start()
+    wait_until_exhausted(worker)
+    groups = stack.take_groups(job_id)
+    assert len(groups) == 2, worker.log_tail()
+    key = CONNECTORS[connector]["reward_info"]
+    for group in groups:
+        for sample in group.samples:
+            assert sample.status in (common_pb2.SAMPLE_STATUS_COMPLETED, common_pb2.SAMPLE_STATUS_TRUNCATED), (
+                sample.metadata
+            )
+            assert sample.metadata["tito_num_critical"] == 0
+            assert sample.metadata["environment"] == connector
+            assert key in sample.metadata["reward_info"], sample.metadata["reward_info"]
+            assert 0.0 <= sample.reward <= 1.0 and sum(sample.loss_mask) > 0
+    assert stack.live_sessions(job_id) == []
+    assert "miles_rollout_environment_up 1.0" in worker.metrics()
+
+
+def _wait(loop: asyncio.AbstractEventLoop, backend: LocalJobBackend, job_id: str, spec: JobSpec) -> JobProgress:
+    deadline = time.monotonic() + 900  # a ceiling only, so that a hang shows the logs
+    while True:
+        progress: JobProgress = loop.run_until_complete(backend.observe(job_id, spec))
+        if progress.phase in ("succeeded", "failed"):
+            return progress
+        if time.monotonic() > deadline:
+            logs = {p.name: p.read_text()[-2000:] for p in backend.job_dir(job_id).glob("*.log")}
+            raise AssertionError(f"last progress {progress}; logs: {json.dumps(logs, indent=1)}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def reasoning_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reasoning demo's warmed-up tiny model (it writes the answer tags and is sometimes right: GRPO has signal);
+    `make run DEMO=reasoning`'s copy when present, else built here (~1 min)."""
+    made = REPO_ROOT / ".miles" / "models" / "reasoning-demo"
+    if (made / "model.safetensors").is_file():
+        return made
+    out = tmp_path_factory.mktemp("models") / "reasoning-demo"
+    subprocess.run([sys.executable, str(REPO_ROOT / "examples/reasoning_gym/warmup.py"), str(out)], check=True)
+    return out
+
+
+def test_a_short_job_on_an_environment_trains(stack: Any, tmp_path: Path, reasoning_demo_model: Path) -> None:
+    """The job of `make run DEMO=reasoning`, cut to 2 steps: the environment's scores make the advantages."""
+    job_id = "env-train-reasoning-gym"
+    rollout = example_rollout("reasoning_gym")
+    rollout["dataset"].update(limit=None, num_epochs=None)
+    rollout.update(n_samples_per_prompt=4)
+    spec = JobSpec.model_validate(
+        {
+            "model": {"path": str(reasoning_demo_model), "chat_template_kwargs": {"enable_thinking": False}},
+            "rollout": rollout,
+            "train": {"num_steps": 2, "batch_size_groups": 2, "mode": "async", "max_staleness": 2, "pull_wait_s": 1},
+            "weight_sync": {"transport": "stream"},
+            "resources": {"engines": {"replicas": 1}},
+        }
+    )
+    stack.register_job(job_id, engine_pool=job_id, model_path=reasoning_demo_model)
+    services = SharedServices(
+        stack.redis_url,
+        stack.router_url,
+        "",
+        stack.session_url,
+        stack.operator_token,
+        stack.buffer_address,
+        stack.sandbox_address,
+        stack.sandbox_http_url,
+    )
+    loop = asyncio.new_event_loop()
+    backend = LocalJobBackend(services, tmp_path / "state", cwd=REPO_ROOT, restart_backoff_initial_s=0.2)
+    try:
+        loop.run_until_complete(backend.start(job_id, spec))
+        progress = _wait(loop, backend, job_id, spec)
+        assert progress.phase == "succeeded", progress
+        assert progress.step == 2 and progress.weight_version == 2, progress
+    finally:
+        loop.run_until_complete(backend.stop(job_id))
+        loop.run_until_complete(backend.close())
+        loop.close()
