@@ -1,0 +1,1 @@
+"""The environment's server side: the Environment subclass and the FastAPI app OpenEnv builds around it."""
