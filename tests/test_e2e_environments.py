@@ -37,6 +37,7 @@ ENVS_DIR = REPO_ROOT / ".envs"
 CONNECTORS: dict[str, dict[str, Any]] = {
     "reasoning_gym": {"example": "reasoning_gym", "reward_info": "score"},
     "openenv": {"example": "openenv_env", "reward_info": "return"},
+    "harbor": {"example": "harbor_tasks", "reward_info": "reward"},
 }
 """connector -> the example whose job spec it runs, and a key its scorer puts in every sample's reward_info."""
 

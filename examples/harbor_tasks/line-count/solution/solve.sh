@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c a /app/words.txt > /app/count.txt
