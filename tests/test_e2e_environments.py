@@ -38,6 +38,7 @@ CONNECTORS: dict[str, dict[str, Any]] = {
     "reasoning_gym": {"example": "reasoning_gym", "reward_info": "score"},
     "openenv": {"example": "openenv_env", "reward_info": "return"},
     "harbor": {"example": "harbor_tasks", "reward_info": "reward"},
+    "verifiers": {"example": "verifiers_env", "reward_info": "rewards"},
 }
 """connector -> the example whose job spec it runs, and a key its scorer puts in every sample's reward_info."""
 
