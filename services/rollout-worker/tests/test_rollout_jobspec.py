@@ -72,3 +72,46 @@ def test_a_job_without_its_section_is_refused_at_start(monkeypatch: pytest.Monke
     monkeypatch.setenv("MILES_ROLLOUT_JOB_ID", "job-1")
     with pytest.raises(ConfigError, match="rollout section"):
         load_settings(RolloutSettings)
+
+
+@pytest.mark.parametrize(
+    ("example", "connector"),
+    [
+        ("reasoning_gym", "reasoning_gym"),
+        ("verifiers_env", "verifiers"),
+        ("openenv_env", "openenv"),
+        ("harbor_tasks", "harbor"),
+    ],
+)
+def test_environment_job_specs_validate(example: str, connector: str) -> None:
+    section = yaml.safe_load((REPO_ROOT / "examples" / example / "job.yaml").read_text())["rollout"]
+    spec = RolloutSpec.model_validate(section)
+    assert spec.agent is None and spec.dataset.path is None
+    assert spec.environment is not None and spec.environment.connector == connector
+    assert spec.environment.env_name == connector.replace("_", "-")
+    assert spec.resolved_session_ttl_s == spec.environment.timeout_s + 300
+
+
+ENVIRONMENT: dict[str, Any] = {"environment": {"connector": "reasoning_gym", "args": {"dataset": "chain_sum"}}}
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({}, "exactly one of rollout.agent"),
+        ({**MINIMAL, **ENVIRONMENT}, "exactly one of rollout.agent"),
+        ({"agent": {"function": "pkg.mod:agent"}}, "dataset.path is required"),
+        ({**ENVIRONMENT, "dataset": {"path": "d.jsonl"}}, "dataset.path must be absent"),
+        ({**ENVIRONMENT, "reward": {"type": "exact_match"}}, "reward.type must be `agent`"),
+        ({"environment": {"connector": "not a module"}}, "connector"),
+        ({"environment": {"connector": "x", "timeout_s": 0}}, "timeout_s"),
+    ],
+)
+def test_agent_or_environment_is_checked(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RolloutSpec.model_validate(section)
+
+
+def test_a_custom_connector_keeps_its_module_name() -> None:
+    spec = RolloutSpec.model_validate({"environment": {"connector": "my_envs.maze", "python_path": ["envs"]}})
+    assert spec.environment is not None and spec.environment.env_name == "my_envs.maze"
