@@ -24,7 +24,7 @@ from miles.common.spawn import ProcessSpec, console_script, spawn, terminate
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.processes import wait_for_http_ready
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # heavy interpreters: make test-slow
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 ENV_PYTHON = REPO_ROOT / ".envs" / "harbor" / "bin" / "python"

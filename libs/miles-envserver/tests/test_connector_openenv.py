@@ -193,6 +193,7 @@ def run_episode(server: EnvServer, chat: FakeChat, index: int, policy: Policy, k
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_rows_are_the_seeded_resets_of_the_environment_named_by_its_server(env_server: EnvServer) -> None:
     info = httpx.get(f"{env_server.url}/v1/info", timeout=10).json()
     assert (info["connector"], info["environment"], info["num_rows"]) == ("openenv", "guess_number", 6)
@@ -202,6 +203,7 @@ def test_rows_are_the_seeded_resets_of_the_environment_named_by_its_server(env_s
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bisecting_policy_is_rewarded_by_the_environments_own_steps(env_server: EnvServer, fake_chat: FakeChat) -> None:
     result = run_episode(env_server, fake_chat, 0, bisect, "right-0")
     steps = bisect_steps(0)
@@ -226,6 +228,7 @@ def test_bisecting_policy_is_rewarded_by_the_environments_own_steps(env_server: 
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_wrong_policy_scores_zero_after_every_guess(env_server: EnvServer, fake_chat: FakeChat) -> None:
     result = run_episode(env_server, fake_chat, 1, lambda messages: "I guess 0", "wrong-1")
     assert result["reward"] == 0.0
@@ -236,6 +239,7 @@ def test_wrong_policy_scores_zero_after_every_guess(env_server: EnvServer, fake_
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_concurrent_episodes_keep_their_own_sessions(env_server: EnvServer, fake_chat: FakeChat) -> None:
     """Four episodes at once, each in an OpenEnv session of its own: no first guess is answered before all four
     episodes asked for one, and each bisects to its own row's secret."""
@@ -259,6 +263,7 @@ def test_concurrent_episodes_keep_their_own_sessions(env_server: EnvServer, fake
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_json_actions_and_refused_actions_end_the_episode(tmp_path: Path, fake_chat: FakeChat) -> None:
     """Without action_field the reply is the action as JSON; the server admits one session at a time while the
     connector plays three episodes at once (it waits out OpenEnv's CAPACITY_REACHED)."""
@@ -300,6 +305,7 @@ def children_of(pid: int) -> list[int]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_crashed_openenv_server_fails_its_episode_and_is_started_again(tmp_path: Path, fake_chat: FakeChat) -> None:
     with start_server({**ARGS, "num_rows": 2}, tmp_path) as server:
         (openenv_pid,) = children_of(server.process.pid)
@@ -321,6 +327,7 @@ def test_a_crashed_openenv_server_fails_its_episode_and_is_started_again(tmp_pat
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_base_url_plays_an_openenv_server_run_elsewhere(tmp_path: Path, fake_chat: FakeChat) -> None:
     """A server the connector does not start (a sidecar or pod on Kubernetes): only its URL is given."""
     port = 0
@@ -342,6 +349,7 @@ def test_base_url_plays_an_openenv_server_run_elsewhere(tmp_path: Path, fake_cha
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bad_args_stop_the_server_before_it_listens_naming_the_field(tmp_path: Path) -> None:
     args = {**ARGS, "base_url": "http://127.0.0.1:1"}
     done = subprocess.run(server_argv(args, tmp_path / "port"), capture_output=True, text=True, timeout=120)
@@ -412,6 +420,7 @@ def marked_processes(mark: str) -> list[int]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_field_the_environment_lacks_fails_setup_and_stops_its_server(tmp_path: Path) -> None:
     mark = f"missing-field-{os.getpid()}"
     args = {**ARGS, "action_field": "answer", "env": {"MILES_TEST_MARK": mark}}

@@ -27,7 +27,7 @@ import pytest
 from miles.common.spawn import ProcessSpec, spawn, terminate
 from miles.common.testing.processes import wait_for_http_ready
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # heavy interpreters: make test-slow
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 ENV_PYTHON = REPO_ROOT / ".envs" / "verifiers" / "bin" / "python"
