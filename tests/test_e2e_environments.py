@@ -106,34 +106,55 @@ def _wait(loop: asyncio.AbstractEventLoop, backend: LocalJobBackend, job_id: str
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def reasoning_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reasoning demo's warmed-up tiny model (it writes the answer tags and is sometimes right: GRPO has signal);
-    `make run DEMO=reasoning`'s copy when present, else built here (~1 min)."""
-    made = REPO_ROOT / ".miles" / "models" / "reasoning-demo"
+def demo_model(name: str, tmp_root: Path) -> Path:
+    """A demo's warmed-up tiny model (`make run`'s copy when present, else built here, ~1 min): it writes the
+    answer formats and is sometimes right, so groups have reward variance (GRPO signal)."""
+    made = REPO_ROOT / ".miles" / "models" / name
     if (made / "model.safetensors").is_file():
         return made
-    out = tmp_path_factory.mktemp("models") / "reasoning-demo"
-    subprocess.run([sys.executable, str(REPO_ROOT / "examples/reasoning_gym/warmup.py"), str(out)], check=True)
+    out = tmp_root / name
+    if name == "reasoning-demo":
+        subprocess.run([sys.executable, str(REPO_ROOT / "examples/reasoning_gym/warmup.py"), str(out)], check=True)
+    else:
+        code = "import sys; from calculator_tool.warmup import build_demo_model; build_demo_model(sys.argv[1])"
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO_ROOT / "examples")
     return out
 
 
-def test_a_short_job_on_an_environment_trains(stack: Any, tmp_path: Path, reasoning_demo_model: Path) -> None:
-    """The job of `make run DEMO=reasoning`, cut to 2 steps: the environment's scores make the advantages."""
-    job_id = "env-train-reasoning-gym"
-    rollout = example_rollout("reasoning_gym")
+TRAINED = {
+    "reasoning_gym": ("reasoning-demo", 2),
+    "openenv": ("calculator-demo", 1),
+    "verifiers": ("calculator-demo", 1),
+}
+"""connector -> (its demo model, steps). The reasoning demo's model was warmed up on that task; the calculator demo's
+model guesses numbers (OpenEnv's guess-the-number pays a lucky guess, the verifiers arithmetic environment a right
+last number): enough variance for a step. Harbor is not trained here: that model never writes a shell command, so
+every reward is 0 and the trainer, which skips steps without signal, would wait forever."""
+
+
+@pytest.mark.parametrize("connector", sorted(TRAINED))
+def test_a_short_job_on_an_environment_trains(
+    stack: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, connector: str
+) -> None:
+    """The example's job, cut to a step or two: the environment's scores make the advantages (the trainer skips
+    steps without signal, so reaching the last step means they did)."""
+    model_name, num_steps = TRAINED[connector]
+    model = demo_model(model_name, tmp_path_factory.getbasetemp())
+    job_id = f"env-train-{connector.replace('_', '-')}"
+    rollout = example_rollout(connector)
     rollout["dataset"].update(limit=None, num_epochs=None)
     rollout.update(n_samples_per_prompt=4)
+    train = {"num_steps": num_steps, "batch_size_groups": 2 if num_steps > 1 else 1, "mode": "async"}
     spec = JobSpec.model_validate(
         {
-            "model": {"path": str(reasoning_demo_model), "chat_template_kwargs": {"enable_thinking": False}},
+            "model": {"path": str(model), "chat_template_kwargs": {"enable_thinking": False}},
             "rollout": rollout,
-            "train": {"num_steps": 2, "batch_size_groups": 2, "mode": "async", "max_staleness": 2, "pull_wait_s": 1},
+            "train": {**train, "max_staleness": 2, "pull_wait_s": 1},
             "weight_sync": {"transport": "stream"},
             "resources": {"engines": {"replicas": 1}},
         }
     )
-    stack.register_job(job_id, engine_pool=job_id, model_path=reasoning_demo_model)
+    stack.register_job(job_id, engine_pool=job_id, model_path=model)
     services = SharedServices(
         stack.redis_url,
         stack.router_url,
@@ -150,7 +171,7 @@ def test_a_short_job_on_an_environment_trains(stack: Any, tmp_path: Path, reason
         loop.run_until_complete(backend.start(job_id, spec))
         progress = _wait(loop, backend, job_id, spec)
         assert progress.phase == "succeeded", progress
-        assert progress.step == 2 and progress.weight_version == 2, progress
+        assert progress.step == num_steps and progress.weight_version == num_steps, progress
     finally:
         loop.run_until_complete(backend.stop(job_id))
         loop.run_until_complete(backend.close())
