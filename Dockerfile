@@ -5,8 +5,11 @@
 # packages its pyproject.toml depends on (read at build time, transitively), and runs its console script
 # miles-$SERVICE as uid 10001. Arguments (`docker run IMAGE --flag`, a pod's `args:`) go to that script.
 # Without --build-arg SERVICE=..., the build stops at `FROM svc-${SERVICE}`, naming this default.
+# The environment servers' images (one per hub connector) are the targets envserver-<name>, further down.
 ARG SERVICE=required-build-arg-service
 ARG PYTHON_IMAGE=python:3.11-slim
+# The environment servers whose lock asks for another Python (first line `# python: 3.12`) build on this image.
+ARG PYTHON_3_12_IMAGE=python:3.12-slim
 
 # Stage 1 generates the protobuf code (gitignored in the repo) into libs/miles-common, once for every service.
 FROM ${PYTHON_IMAGE} AS protos
@@ -109,6 +112,60 @@ EXPOSE 50052 51052
 FROM runtime AS svc-weight-sync
 ENV MILES_WEIGHTSYNC_HOST=0.0.0.0
 EXPOSE 50053 51053
+
+# Environment servers (libs/miles-envserver): one image per hub connector, not a service. Each holds the connector's
+# own interpreter, built by scripts/make_env.py from the full lock requirements/envs/<name>.txt (pins that conflict
+# with the services', e.g. verifiers' openai<3 or Harbor's Python 3.12, so never in a service image), at
+# /opt/miles/.envs/<name>, first on PATH: `python` is the environment's. Built by target, from the repository root:
+#   docker build --target envserver-reasoning-gym -t miles-envserver-reasoning-gym .
+# The chart runs `python -m miles.envserver --connector ... --args ...` in it (jobTemplates.envServer.images);
+# `docker run IMAGE --connector reasoning_gym --args '{...}' --host 0.0.0.0 --port 8090` does the same.
+# A stage per Python version the locks ask for (their first line `# python: X.Y`; none: PYTHON_IMAGE's 3.11).
+FROM runtime AS envserver-python-3.11
+WORKDIR /opt/miles
+COPY scripts/make_env.py scripts/make_env.py
+COPY libs/miles-envserver libs/miles-envserver
+
+FROM ${PYTHON_3_12_IMAGE} AS envserver-python-3.12
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin miles
+WORKDIR /opt/miles
+COPY scripts/make_env.py scripts/make_env.py
+COPY libs/miles-envserver libs/miles-envserver
+
+# One target per lock: envserver-<name> FROM envserver-python-<its Python> (tests/test_workspace_layout.py checks).
+FROM envserver-python-3.11 AS envserver-reasoning-gym
+COPY requirements/envs/reasoning-gym.txt requirements/envs/reasoning-gym.txt
+RUN python scripts/make_env.py reasoning-gym
+ENV PATH=/opt/miles/.envs/reasoning-gym/bin:$PATH
+USER 10001
+ENTRYPOINT ["python", "-m", "miles.envserver"]
+
+# The example environments of requirements/envs/<name>.local are installed too (examples/*/job.yaml run as they are).
+FROM envserver-python-3.11 AS envserver-verifiers
+COPY requirements/envs/verifiers.txt requirements/envs/verifiers.local requirements/envs/
+COPY examples/verifiers_env examples/verifiers_env
+RUN python scripts/make_env.py verifiers
+ENV PATH=/opt/miles/.envs/verifiers/bin:$PATH
+USER 10001
+ENTRYPOINT ["python", "-m", "miles.envserver"]
+
+FROM envserver-python-3.11 AS envserver-openenv
+COPY requirements/envs/openenv.txt requirements/envs/openenv.local requirements/envs/
+COPY examples/openenv_env examples/openenv_env
+RUN python scripts/make_env.py openenv
+ENV PATH=/opt/miles/.envs/openenv/bin:$PATH
+USER 10001
+ENTRYPOINT ["python", "-m", "miles.envserver"]
+
+# The example Harbor tasks (tasks_dir: examples/harbor_tasks); mount your own (jobTemplates.envServer.extraVolumes).
+FROM envserver-python-3.12 AS envserver-harbor
+COPY requirements/envs/harbor.txt requirements/envs/harbor.txt
+COPY examples/harbor_tasks examples/harbor_tasks
+RUN python scripts/make_env.py harbor
+ENV PATH=/opt/miles/.envs/harbor/bin:$PATH
+USER 10001
+ENTRYPOINT ["python", "-m", "miles.envserver"]
 
 # Stage 5: the service's wheels installed (pinned by the constraints) on its stage, run as the unprivileged user.
 FROM svc-${SERVICE}

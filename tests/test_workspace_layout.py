@@ -4,13 +4,16 @@ only where it is needed, a console entry point, a README, a non-root Dockerfile,
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import re
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVICES = sorted(path.parent for path in REPO_ROOT.glob("services/*/pyproject.toml"))
@@ -90,7 +93,8 @@ def test_one_parametrised_dockerfile_runs_as_a_non_root_user() -> None:
     assert user_lines and user_lines[-1].split()[1] not in ("root", "0"), "the image must run as a non-root user"
     assert re.search(r"^FROM svc-\$\{SERVICE\}$", dockerfile, re.MULTILINE)
     assert re.search(r"^ENV MILES_IMAGE_SERVICE=\$\{SERVICE\}$", dockerfile, re.MULTILINE)
-    assert 'exec \\"miles-$MILES_IMAGE_SERVICE\\"' in dockerfile.split("\nENTRYPOINT ", 1)[1], "the console script"
+    final_entrypoint = dockerfile.rsplit("\nENTRYPOINT ", 1)[1]  # the environment servers' targets come before
+    assert 'exec \\"miles-$MILES_IMAGE_SERVICE\\"' in final_entrypoint, "the console script"
 
 
 @pytest.mark.parametrize("directory", SERVICES, ids=lambda path: path.name)
@@ -117,6 +121,83 @@ def test_the_dockerfile_builds_every_service(directory: Path, monkeypatch: pytes
     assert directory in packages and REPO_ROOT / "libs" / "miles-common" in packages
     assert {name for name in wanted if name.startswith("miles-")} <= names
     assert f"miles-{directory.name}" in dict(project.get("scripts", {}))  # type: ignore[call-overload]
+
+
+ENV_LOCKS = sorted((REPO_ROOT / "requirements" / "envs").glob("*.txt"))
+
+
+def dockerfile_stages() -> dict[str, tuple[str, str]]:
+    """Every named stage of the Dockerfile: name -> (what it is FROM, its instructions)."""
+    stages = {}
+    for text in re.split(r"^FROM ", (REPO_ROOT / "Dockerfile").read_text(), flags=re.MULTILINE)[1:]:
+        header, _, body = text.partition("\n")
+        named = re.fullmatch(r"(\S+) AS (\S+)", header.strip())
+        if named:
+            stages[named.group(2)] = (named.group(1), body)
+    return stages
+
+
+def base_python(stage: str) -> str:
+    """The X.Y of the python:X.Y-slim image a stage is built on (following stages, then the global ARGs)."""
+    stages = dockerfile_stages()
+    while stage in stages:
+        stage = stages[stage][0]
+    arg = re.fullmatch(r"\$\{(\w+)\}", stage)
+    assert arg is not None, f"stage built on {stage}, not on a PYTHON_*IMAGE build argument"
+    default = re.search(rf"^ARG {arg.group(1)}=python:(\d+\.\d+)-slim$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
+    assert default is not None, f"no `ARG {arg.group(1)}=python:X.Y-slim` before the first FROM"
+    return default.group(1)
+
+
+def make_env_module() -> Any:
+    spec = importlib.util.spec_from_file_location("make_env", REPO_ROOT / "scripts" / "make_env.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("lock", ENV_LOCKS, ids=lambda path: path.stem)
+def test_every_environment_lock_has_an_image_target_on_its_python(lock: Path) -> None:
+    """`docker build --target envserver-<name>` builds the interpreter make_env.py builds locally: on the Python
+    the lock asks for (`# python: X.Y`, else the services' 3.11), with the lock, its .local packages and
+    miles-envserver copied where make_env.py looks for them, first on PATH, run as a non-root user."""
+    name = lock.stem
+    stages = dockerfile_stages()
+    assert f"envserver-{name}" in stages, f"no stage `FROM envserver-python-X.Y AS envserver-{name}`"
+    base, body = stages[f"envserver-{name}"]
+    make_env = make_env_module()
+    wanted = make_env.wanted_python(lock) or base_python("runtime")
+    assert base == f"envserver-python-{wanted}" and base_python(base) == wanted, f"{name} wants Python {wanted}"
+    assert "WORKDIR /opt/miles\n" in stages[base][1]
+    for path in ("scripts/make_env.py", "libs/miles-envserver"):
+        assert f"COPY {path} {path}\n" in stages[base][1], path
+    copied = " ".join(line for line in body.splitlines() if line.startswith("COPY "))
+    assert f"requirements/envs/{name}.txt" in copied
+    if (lock.parent / f"{name}.local").exists():
+        assert f"requirements/envs/{name}.local" in copied
+    for package in make_env.local_packages(name):
+        folder = package.relative_to(REPO_ROOT)
+        assert f"COPY {folder} {folder}" in copied, f"{name}.local lists {folder}"
+    assert f"\nRUN python scripts/make_env.py {name}\n" in body
+    assert f"\nENV PATH=/opt/miles/.envs/{name}/bin:$PATH\n" in body
+    assert "\nUSER 10001\n" in body
+    assert 'ENTRYPOINT ["python", "-m", "miles.envserver"]' in body
+
+
+def test_the_chart_names_an_image_for_every_environment_target() -> None:
+    """Each connector's image in the chart (jobTemplates.envServer.images) is built by an envserver-<name> target,
+    and every such target has its lock."""
+    images = yaml.safe_load((REPO_ROOT / "helm" / "miles" / "values.yaml").read_text())["jobTemplates"]["envServer"]
+    targets = {
+        stage.removeprefix("envserver-")
+        for stage in dockerfile_stages()
+        if stage.startswith("envserver-") and not stage.startswith("envserver-python-")
+    }
+    assert targets == {lock.stem for lock in ENV_LOCKS}
+    assert {connector.replace("_", "-") for connector in images["images"]} == targets
+    for connector, image in images["images"].items():
+        assert image["repository"] == f"miles-envserver-{connector.replace('_', '-')}", connector
 
 
 def test_protos_are_versioned_and_enums_start_unspecified() -> None:

@@ -47,6 +47,14 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - {from: controller, to: trainer, port: grpc}
 # The ranks of one job: the rendezvous store on masterPort (rank 0), then gloo's/NCCL's own ports.
 - {from: trainer, to: trainer, port: any, perJob: true}
+# Hub environments (jobs with rollout.environment): the job's workers run each episode on the job's environment
+# server (POST /v1/episodes; also /healthz, /v1/info, /v1/rows)...
+- {from: rollout-worker, to: env-server, port: http, perJob: true}
+# ...which calls the model through the session's OpenAI endpoint (the episode's base_url, the session server)...
+- {from: env-server, to: session-server, port: http}
+# ...and runs a task's commands in the job's sandboxes (Harbor: gRPC, or the HTTP facade on the metrics port).
+- {from: env-server, to: sandbox-gateway, port: grpc}
+- {from: env-server, to: sandbox-gateway, port: metrics}
 {{- end -}}
 
 {{/* Pod components of per-job objects (their ingress is enforced per job by the per-job NetworkPolicy). */}}
@@ -56,6 +64,7 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - weight-sync-origin
 - trainer
 - rollout-worker
+- env-server
 {{- end -}}
 
 {{/* The pod component that runs a logical component: weight-sync runs inside engine pods in sidecar mode. */}}
@@ -69,19 +78,19 @@ engine
 
 {{/* Every pod component of the platform (shared and per job), as a YAML list. */}}
 {{- define "miles.podComponents" -}}
-{{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" -}}
+{{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" "env-server" -}}
 {{- $pods := list -}}
 {{- range $all }}{{ $pods = append $pods (include "miles.podComponent" (dict "root" $ "component" .)) }}{{ end -}}
 {{- toYaml ($pods | uniq) -}}
 {{- end -}}
 
-{{/* Named ports Prometheus scrapes on a pod component (none on Redis). */}}
+{{/* Named ports Prometheus scrapes on a pod component (none on Redis and on environment servers). */}}
 {{- define "miles.metricsPorts" -}}
 {{- if has .component (list "controller" "session-server" "rollout-router" "rollout-worker") -}}
 [http]
 {{- else if eq .component "engine" -}}
 {{- if eq .root.Values.jobTemplates.weightSync.mode "sidecar" }}[http, metrics]{{ else }}[http]{{ end -}}
-{{- else if eq .component "redis" -}}
+{{- else if has .component (list "redis" "env-server") -}}
 []
 {{- else -}}
 [metrics]

@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 
 from miles.common.testing.helm import by_kind, render_chart
+from miles.controller.env_server_templates import EnvironmentServerParams
 from miles.controller.job_templates import JobTemplateParams, instantiate_job_templates
 
 CHART_DIR = Path(__file__).resolve().parents[1]
@@ -30,6 +31,8 @@ EXAMPLE_JOB = JobTemplateParams(
     rollout_worker_replicas=3,
     trainer_replicas=2,
     trainer_gpus=8,
+    # A hub environment, so that every check of the per-job objects covers the environment server too.
+    environment=EnvironmentServerParams(connector="reasoning_gym", args_json='{"dataset": "leg_counting"}'),
 )
 
 # The prometheus-operator CRs the chart renders, checked against the fields of their CRDs (monitoring.coreos.com/v1)

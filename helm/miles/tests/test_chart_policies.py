@@ -54,6 +54,12 @@ DESIGNED_FLOWS = {
     ("controller", "weight-sync-origin", "grpc"),
     ("controller", "trainer", "grpc"),
     ("trainer", "trainer", "any*"),
+    # A job's environment server (jobs with rollout.environment): its workers call it; it calls the model through
+    # the session server and runs commands in sandboxes.
+    ("rollout-worker", "env-server", "http*"),
+    ("env-server", "session-server", "http"),
+    ("env-server", "sandbox-gateway", "grpc"),
+    ("env-server", "sandbox-gateway", "metrics"),
 }
 
 

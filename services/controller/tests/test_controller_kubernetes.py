@@ -511,3 +511,84 @@ async def test_controller_runs_a_job_to_success_on_the_kubernetes_backend(
         job = await kit.wait_for_state(client, job_id, "SUCCEEDED", "FAILED")
         assert job["state"] == "SUCCEEDED" and job["step"] == 3 and job["reward"] == 0.5
         assert api.of_job(job_id) == []
+
+
+ENV_ROLLOUT = {
+    "environment": {"connector": "reasoning_gym", "args": {"dataset": "leg_counting", "size": 20}, "replicas": 2},
+    "n_samples_per_prompt": 4,
+}
+
+
+def _of_component(objects: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+
+
+async def test_a_job_with_an_environment_gets_its_server_and_its_workers_its_url_and_one_without_gets_none(
+    job_templates: dict[str, str], controller_kit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollout.environment: the env-server Deployment, Service and ingress NetworkPolicy are created (valid, owned
+    by the spec ConfigMap) and the workers load MILES_ROLLOUT_ENVIRONMENT_URL = that Service; a job without one
+    gets no env-server object; a connector the chart has no image for is refused before anything is created."""
+    from miles.common.settings import load_settings
+    from miles.rollout.settings import RolloutSettings
+
+    async with fake_cluster(job_templates) as (api, _, backend):
+        spec = _spec(controller_kit, rollout=ENV_ROLLOUT)
+        await backend.check_spec(spec)
+        await backend.start("jk8senv0001", spec)
+        created = api.of_job("jk8senv0001")
+        await backend.start("jk8senv0002", _spec(controller_kit))
+        without = api.of_job("jk8senv0002")
+        custom = _spec(controller_kit, rollout={**ENV_ROLLOUT, "environment": {"connector": "my_pkg.my_env"}})
+        with pytest.raises(InvalidArgumentError) as refused:
+            await backend.check_spec(custom)
+        assert refused.value.field == "rollout.environment.connector"
+        with pytest.raises(InvalidArgumentError, match=r"no environment-server image for connector 'my_pkg\.my_env'"):
+            await backend.start("jk8senv0003", custom)
+        assert api.of_job("jk8senv0003") == []
+        for field, value in (("interpreter", "/usr/bin/python3"), ("python_path", ["examples"])):
+            local_only = {**ENV_ROLLOUT, "environment": {**ENV_ROLLOUT["environment"], field: value}}
+            with pytest.raises(InvalidArgumentError, match="local environment servers only") as refused:
+                await backend.check_spec(_spec(controller_kit, rollout=local_only))
+            assert refused.value.field == f"rollout.environment.{field}"
+        assert (await backend.observe("jk8senv0001", spec)).pools == {"engines": 2, "rollout_workers": 2, "trainer": 1}
+
+    assert api.num_validated == len(created) + len(without)  # every object passed strict validation
+    env_objects = {(o["kind"], o["metadata"]["name"]) for o in _of_component(created, "env-server")}
+    assert env_objects == {
+        ("Deployment", "miles-jk8senv0001-env-server"),
+        ("Service", "miles-jk8senv0001-env-server"),
+        ("NetworkPolicy", "miles-jk8senv0001-env-server-ingress"),
+    }
+    (owner,) = [o for o in created if o["kind"] == "ConfigMap"]
+    assert all(
+        o["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"] for o in created if o is not owner
+    )
+    (server,) = [o for o in _of_component(created, "env-server") if o["kind"] == "Deployment"]
+    (service,) = [o for o in _of_component(created, "env-server") if o["kind"] == "Service"]
+    assert server["spec"]["replicas"] == 2
+    (container,) = server["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/miles-rl/miles-envserver-reasoning-gym:0.1.0"
+    assert container["args"][:3] == ["--connector", "reasoning_gym", "--args"]
+    assert json.loads(container["args"][3]) == {"dataset": "leg_counting", "size": 20}
+    assert service["spec"]["selector"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+
+    # The seam controller -> chart -> worker: what a worker pod loads (its env plus rollout.json).
+    (workers,) = [o for o in _of_component(created, "rollout-worker") if o["kind"] == "Deployment"]
+    config = tmp_path / "rollout.json"
+    config.write_text(owner["data"]["rollout.json"])
+    for env in workers["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if env["name"].startswith("MILES_ROLLOUT_") and "value" in env:
+            monkeypatch.setenv(env["name"], env["value"])
+    monkeypatch.setenv("MILES_ROLLOUT_CONFIG_FILE", str(config))
+    settings = load_settings(RolloutSettings)
+    assert settings.environment_url == f"http://{service['metadata']['name']}:{port['port']}"
+    assert settings.rollout is not None and settings.rollout.environment is not None
+    assert settings.rollout.environment.connector == "reasoning_gym"
+
+    assert _of_component(without, "env-server") == []
+    (plain_workers,) = [o for o in _of_component(without, "rollout-worker") if o["kind"] == "Deployment"]
+    assert "MILES_ROLLOUT_ENVIRONMENT_URL" not in {
+        e["name"] for e in plain_workers["spec"]["template"]["spec"]["containers"][0]["env"]
+    }

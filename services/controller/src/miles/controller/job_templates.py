@@ -9,9 +9,9 @@ clients: the backend creates what it returns, in this order:
    Then `job_tokens_secret(spec_config_map, tokens)`: the Secret `<fullname>-<job>-tokens` with the job's own
    capabilities (`sandbox-token`), read by its rollout workers.
 2. `instantiate_job_templates(templates, params)`: every other object (engine pool, weight-sync, rollout workers,
-   trainer, per-job NetworkPolicies); for a job whose engines take per-job flags, pass them through
-   `with_engine_args(objects, args)`; then through `owned_by(objects, spec_config_map_created)` so that deleting
-   the spec ConfigMap deletes the job.
+   trainer, per-job NetworkPolicies, and for a job with an environment its environment server); for a job whose
+   engines take per-job flags, pass them through `with_engine_args(objects, args)`; then through
+   `owned_by(objects, spec_config_map_created)` so that deleting the spec ConfigMap deletes the job.
 
 **Placeholders** (`PLACEHOLDERS`), each filled from a `JobTemplateParams` field:
 
@@ -25,6 +25,10 @@ clients: the backend creates what it returns, in this order:
   autoscales them); `${ROLLOUT_WORKER_MAX_REPLICAS}` (`rollout_worker_max_replicas`, 0 = the replicas): its maximum.
 - `${TRAINER_REPLICAS}` (`trainer_replicas`): trainer ranks = StatefulSet pods (`MILES_TRAINER_WORLD_SIZE`).
 - `${TRAINER_GPUS}` (`trainer_gpus`): `nvidia.com/gpu` per trainer pod.
+
+**Environment servers**: the templates whose keys start with `env-server-` are filled only for a job with
+`JobTemplateParams.environment` (`rollout.environment`) and skipped for any other; their placeholders, the image
+choice and the rollout workers' `MILES_ROLLOUT_ENVIRONMENT_URL` are `miles.controller.env_server_templates`'.
 
 **The spec ConfigMap** `<fullname>-<job>-spec` is mounted read-only at `/etc/miles/job` in every per-job pod. Keys
 (all required, `{}` when a process needs nothing from the spec):
@@ -68,6 +72,13 @@ from typing import Any
 import yaml
 
 from miles.common.errors import InvalidArgumentError
+from miles.controller.env_server_templates import (
+    ENV_SERVER_COMPONENT,
+    ENV_SERVER_TEMPLATE_PREFIX,
+    EnvironmentServerParams,
+    env_server_image_of,
+    wired_to_env_server,
+)
 
 SPEC_TEMPLATE_KEY = "spec-configmap.yaml"
 """Key of the spec ConfigMap's skeleton in the templates ConfigMap (not instantiated with the other objects)."""
@@ -94,7 +105,7 @@ PLACEHOLDERS = (
     "TRAINER_REPLICAS",
     "TRAINER_GPUS",
 )
-"""Every placeholder the templates may use (see the module docstring for their meaning)."""
+"""Every placeholder the templates may use besides the environment server's (see the module docstring)."""
 
 _PLACEHOLDER_RE = re.compile(r"\$\{([A-Z_]+)\}")
 _JOB_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?$")
@@ -118,6 +129,8 @@ class JobTemplateParams:
     trainer_gpus: int
     rollout_worker_max_replicas: int = 0
     """Upper bound of the rollout workers' HPA (when the chart enables it); 0 = rollout_worker_replicas."""
+    environment: EnvironmentServerParams | None = None
+    """The job's environment server (a job with `rollout.environment`); None: the env-server templates are skipped."""
 
     def placeholders(self) -> dict[str, str]:
         """Every placeholder's value; raises InvalidArgumentError naming the field when one is out of range."""
@@ -149,6 +162,7 @@ class JobTemplateParams:
             "JOB_ID": self.job_id,
             "MODEL_PATH": self.model_path,
             **{name: str(value) for name, (value, _) in counts.items()},
+            **(self.environment.placeholders() if self.environment is not None else {}),
         }
 
 
@@ -165,24 +179,35 @@ class JobAddresses:
     """name:port of the headless Service over the daemons next to the engines (the origin's peers_dns)."""
     trainer_rank0: str
     """host:port of trainer rank 0's gRPC API (Status, Checkpoint, Stop, WatchEvents)."""
+    environment_url: str = ""
+    """http://host:port of the environment-server Service (its rollout workers' `environment_url`, for a job with
+    an environment); "" when the chart has no environment-server templates."""
 
     @classmethod
     def of(cls, templates: Mapping[str, str], job_id: str) -> JobAddresses:
         """The addresses of job `job_id` (ports as the chart's Services declare them)."""
         prefix = f"{fullname_of(templates)}-{job_id}"
-        weightsync_port = _grpc_port(templates["weight-sync-origin-service.yaml"])
-        trainer_port = _grpc_port(templates["trainer-service.yaml"])
+        weightsync_port = _port(templates["weight-sync-origin-service.yaml"], "grpc")
+        trainer_port = _port(templates["trainer-service.yaml"], "grpc")
         return cls(
             engine_service=f"{prefix}-engine",
             weightsync_origin=f"{prefix}-weight-sync-origin:{weightsync_port}",
             weightsync_peers_dns=f"{prefix}-weight-sync-peers:{weightsync_port}",
             trainer_rank0=f"{prefix}-trainer-0.{prefix}-trainer:{trainer_port}",
+            environment_url=_environment_url(templates, job_id),
         )
 
 
-def _grpc_port(service_template: str) -> int:
+def _environment_url(templates: Mapping[str, str], job_id: str) -> str:
+    service = templates.get(f"{ENV_SERVER_TEMPLATE_PREFIX}service.yaml")
+    if service is None:
+        return ""
+    return f"http://{fullname_of(templates)}-{job_id}-{ENV_SERVER_COMPONENT}:{_port(service, 'http')}"
+
+
+def _port(service_template: str, name: str) -> int:
     service = yaml.safe_load(service_template)
-    return next(int(port["port"]) for port in service["spec"]["ports"] if port["name"] == "grpc")
+    return next(int(port["port"]) for port in service["spec"]["ports"] if port["name"] == name)
 
 
 def fullname_of(templates: Mapping[str, str]) -> str:
@@ -221,7 +246,8 @@ def _check_name(obj: Mapping[str, Any]) -> None:
 
 
 def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateParams) -> list[dict[str, Any]]:
-    """Every object of every template except the spec ConfigMap (keys sorted), placeholders filled.
+    """Every object of every template except the spec ConfigMap (keys sorted), placeholders filled; the
+    environment server's (`env-server-*`) only for a job with an environment, whose workers are then wired to it.
 
     Raises InvalidArgumentError when a template uses a placeholder this version does not know (so that a chart
     newer than the controller fails loudly instead of creating objects with `${...}` in them), when a value is
@@ -233,12 +259,17 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
             "rollout_worker_replicas must be >= 1 when the chart autoscales rollout workers",
             field="rollout_worker_replicas",
         )
+    if params.environment is not None:
+        values["ENV_SERVER_IMAGE"] = env_server_image_of(templates, params.environment.connector)
     objects: list[dict[str, Any]] = []
     for name in sorted(templates):
-        if name != SPEC_TEMPLATE_KEY:
+        skipped = params.environment is None and name.startswith(ENV_SERVER_TEMPLATE_PREFIX)
+        if name != SPEC_TEMPLATE_KEY and not skipped:
             objects += _fill(name, templates[name], values)
     for obj in objects:
         _check_name(obj)
+    if params.environment is not None:
+        objects = wired_to_env_server(objects, _environment_url(templates, params.job_id))
     return objects
 
 

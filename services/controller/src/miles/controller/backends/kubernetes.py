@@ -15,6 +15,11 @@ A job that records MoE routing (R3; `routing_replay.engines_record_routing` with
 `record_routing` from the job's registration) gets `--enable-return-routed-experts` appended to its engine
 container's args (`job_templates.with_engine_args`; the chart's extraArgs naming the flag win).
 
+A job with `rollout.environment` also gets its environment server (Deployment, Service, NetworkPolicy), and its
+rollout workers its URL (`miles.controller.env_server_templates`); `check_spec` refuses a connector the chart has
+no image for, and the spec's local-only `interpreter` / `python_path`. The environment server is not a pool:
+`observe` does not wait for it (the workers do).
+
 Limits: the engine pool's registration with the router is the router's own discovery (EndpointSlices labelled
 `miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one); an
 adopted engine Deployment (409) keeps the args it was created with.
@@ -23,6 +28,7 @@ adopted engine Deployment (409) keeps the args it was created with.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -39,6 +45,7 @@ from miles.common.errors import FailedPreconditionError, InvalidArgumentError, M
 from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.env_server_templates import EnvironmentServerParams, env_server_image_of
 from miles.controller.job_templates import (
     JobAddresses,
     JobTemplateParams,
@@ -107,6 +114,20 @@ def template_params(job_id: str, spec: JobSpec) -> JobTemplateParams:
         rollout_worker_replicas=resources.rollout_workers.replicas,
         trainer_replicas=resources.trainer.replicas,
         trainer_gpus=resources.trainer.gpus_per_replica,
+        environment=environment_params(spec),
+    )
+
+
+def environment_params(spec: JobSpec) -> EnvironmentServerParams | None:
+    """The job's environment server (`rollout.environment`), or None for a job that runs its own agent."""
+    environment = spec.rollout.environment
+    if environment is None:
+        return None
+    return EnvironmentServerParams(
+        connector=environment.connector,
+        args_json=json.dumps(environment.args, sort_keys=True),
+        replicas=environment.replicas,
+        startup_timeout_s=environment.startup_timeout_s,
     )
 
 
@@ -212,6 +233,7 @@ class KubernetesJobBackend:
 
     async def check_spec(self, spec: JobSpec) -> None:
         self._check_transport(spec)
+        self._check_environment(spec)
         try:
             templates = await self.templates()
         except MilesError:  # the API or the chart's ConfigMap is not there now: start says so, with retries
@@ -219,6 +241,8 @@ class KubernetesJobBackend:
         problem = _engine_kind_problem(templates, spec)
         if problem:
             raise InvalidArgumentError(problem, field="resources.engines.kind")
+        if spec.rollout.environment is not None:  # the chart must have an image for the connector
+            env_server_image_of(templates, spec.rollout.environment.connector)
 
     @staticmethod
     def _check_transport(spec: JobSpec) -> None:
@@ -229,8 +253,25 @@ class KubernetesJobBackend:
                 field="weight_sync.transport",
             )
 
+    @staticmethod
+    def _check_environment(spec: JobSpec) -> None:
+        """The environment server runs in the connector's image (`python` there imports the connector): a local
+        interpreter or PYTHONPATH of the spec cannot apply to it, so a spec naming one is refused, not ignored."""
+        environment = spec.rollout.environment
+        if environment is None:
+            return
+        for field in ("interpreter", "python_path"):
+            if getattr(environment, field, None):
+                raise InvalidArgumentError(
+                    f"rollout.environment.{field} applies to local environment servers only; on Kubernetes the "
+                    "server runs in the connector's image (the chart's jobTemplates.envServer.images), which must "
+                    "import the connector itself",
+                    field=f"rollout.environment.{field}",
+                )
+
     async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
         self._check_transport(spec)
+        self._check_environment(spec)
         templates = self._job_templates[job_id] = await self.templates()
         problem = _engine_kind_problem(templates, spec)  # the chart may have changed since submission
         if problem:
