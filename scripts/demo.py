@@ -5,7 +5,8 @@
 1. builds the demo model (`examples/calculator_tool/warmup.py`: tiny Qwen3 architecture, small-vocabulary Qwen3
    tokenizer, a short supervised warm-up) at the spec's `model.path` when it is missing; a path whose directory
    name ends in `-moe` (`examples/calculator_tool/job_moe.yaml`) is built as the tiny Qwen3-MoE variant instead,
-   and `reasoning-demo` (`examples/reasoning_gym/job.yaml`, `make run DEMO=reasoning`) by that example's warmup.py;
+   and `reasoning-demo` / `harbor-demo` (`examples/reasoning_gym/job.yaml`, `make run DEMO=reasoning`;
+   `examples/harbor_tasks/job.yaml`) by that example's warmup.py;
 2. `miles up` (unless a platform is already up under --home, which is then reused and left up);
 3. submits the job (fully-async GRPO) and follows it live until it ends;
 4. evaluates the model before and after training on held-out prompts (`examples/calculator_tool/eval.jsonl`: no
@@ -53,7 +54,12 @@ ROUTING_REJECT_REASONS = ("missing_routing", "bad_routing")
 
 
 MOE_MODEL_SUFFIX = "-moe"
-REASONING_MODEL_NAME = "reasoning-demo"
+WARMUP_SCRIPTS = {
+    "reasoning-demo": "examples/reasoning_gym/warmup.py",
+    "harbor-demo": "examples/harbor_tasks/warmup.py",
+}
+"""Demo models of the hub-environment examples, by directory name, and the script that builds each (scripts, not
+modules: examples/reasoning_gym must not shadow the real reasoning_gym package)."""
 """A model directory named like this (`.miles/models/calculator-demo-moe`) is built as the tiny Qwen3-MoE."""
 
 
@@ -62,10 +68,9 @@ def ensure_model(path: Path) -> None:
         console.print(f"demo model: {path} (exists)")
         return
     started = time.monotonic()
-    if path.name == REASONING_MODEL_NAME:  # examples/reasoning_gym/job.yaml: its own warm-up (a script, not a module:
-        # examples/reasoning_gym must not shadow the real reasoning_gym package)
-        console.print(f"building the reasoning demo model at {path} (tiny Qwen3 + warm-up) ...")
-        subprocess.run([sys.executable, str(REPO_ROOT / "examples/reasoning_gym/warmup.py"), str(path)], check=True)
+    if path.name in WARMUP_SCRIPTS:  # a hub-environment example: its own warm-up
+        console.print(f"building the demo model at {path} (tiny Qwen3 + {WARMUP_SCRIPTS[path.name]}) ...")
+        subprocess.run([sys.executable, str(REPO_ROOT / WARMUP_SCRIPTS[path.name]), str(path)], check=True)
         console.print(f"demo model built in {time.monotonic() - started:.0f}s")
         return
     from calculator_tool.warmup import build_demo_model

@@ -5,10 +5,11 @@ spec runs on the local backend (engines, worker, buffer, trainer, weight-sync) a
 
 The engine of the rollout phase is `--fake-model` (hash sampling: answers are rarely right, so rewards are
 mostly 0; the connectors' own tests score right and wrong answers). Training needs reward variance within a
-group, which a random model never gets from these scorers: the training job is reasoning-gym's demo job with its
-warmed-up model (examples/reasoning_gym/warmup.py), whose answers are sometimes right; the trainer skips steps
-without signal, so reaching the last step means the environment's rewards made the advantages. That the reward
-rises over a longer run is `make run DEMO=reasoning`.
+group, which a random model never gets from these scorers: the training jobs run the examples' specs with a
+warmed-up model (`TRAINED`: reasoning-gym's and Harbor's own, examples/*/warmup.py, whose answers are sometimes
+right; the calculator demo's, which guesses numbers); the trainer skips steps without signal, so reaching the
+last step means the environment's rewards made the advantages. That the reward rises over a longer run is
+`make run DEMO=reasoning`.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ def _wait(loop: asyncio.AbstractEventLoop, backend: LocalJobBackend, job_id: str
         time.sleep(0.5)
 
 
+WARMUP_SCRIPTS = {
+    "reasoning-demo": "examples/reasoning_gym/warmup.py",
+    "harbor-demo": "examples/harbor_tasks/warmup.py",
+}
+"""Demo models built by running their example's warmup.py as a script (examples/reasoning_gym must not shadow the
+reasoning_gym package; examples/harbor_tasks is no package); the calculator demo's by calculator_tool.warmup."""
+
+
 def demo_model(name: str, tmp_root: Path) -> Path:
     """A demo's warmed-up tiny model (`make run`'s copy when present, else built here, ~1 min): it writes the
     answer formats and is sometimes right, so groups have reward variance (GRPO signal)."""
@@ -113,8 +122,8 @@ def demo_model(name: str, tmp_root: Path) -> Path:
     if (made / "model.safetensors").is_file():
         return made
     out = tmp_root / name
-    if name == "reasoning-demo":
-        subprocess.run([sys.executable, str(REPO_ROOT / "examples/reasoning_gym/warmup.py"), str(out)], check=True)
+    if name in WARMUP_SCRIPTS:
+        subprocess.run([sys.executable, str(REPO_ROOT / WARMUP_SCRIPTS[name]), str(out)], check=True)
     else:
         code = "import sys; from calculator_tool.warmup import build_demo_model; build_demo_model(sys.argv[1])"
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO_ROOT / "examples")
@@ -123,13 +132,14 @@ def demo_model(name: str, tmp_root: Path) -> Path:
 
 TRAINED = {
     "reasoning_gym": ("reasoning-demo", 2),
+    "harbor": ("harbor-demo", 1),
     "openenv": ("calculator-demo", 1),
     "verifiers": ("calculator-demo", 1),
 }
-"""connector -> (its demo model, steps). The reasoning demo's model was warmed up on that task; the calculator demo's
-model guesses numbers (OpenEnv's guess-the-number pays a lucky guess, the verifiers arithmetic environment a right
-last number): enough variance for a step. Harbor is not trained here: that model never writes a shell command, so
-every reward is 0 and the trainer, which skips steps without signal, would wait forever."""
+"""connector -> (its demo model, steps). The reasoning and Harbor demos' models were warmed up on their tasks
+(Harbor's on the <command>/<done/> protocol: the right command in 35-39 % of samples, a wrong one - reward 0 or
+fizzbuzz's partial credit - in the rest); the calculator demo's model guesses numbers (OpenEnv's guess-the-number
+pays a lucky guess, the verifiers arithmetic environment a right last number): enough variance for a step."""
 
 
 @pytest.mark.parametrize("connector", sorted(TRAINED))
