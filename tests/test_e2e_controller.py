@@ -239,18 +239,19 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 120)
 
 def test_jobs_through_the_rest_api_survive_a_controller_crash(stack: Any, controller: Controller) -> None:
     num_steps_a = 8
+    # B (long) first, A (short) once B runs: started together on a loaded machine, A could finish its 8 steps
+    # while B was still starting (seen in CI), and A must still run when the controller is killed.
+    response = controller.call("POST", "/v1/jobs", json=job_body(stack, "long", num_steps=10_000))
+    assert response.status_code == 201, response.text
+    job_b = response.json()["job_id"]
+    controller.wait_job(job_b, lambda job: job["state"] == "RUNNING" and job["pools"]["engines"]["live"] == 1)
     response = controller.call("POST", "/v1/jobs", json=job_body(stack, "short", num_steps=num_steps_a))
     assert response.status_code == 201, response.text
     job_a = response.json()["job_id"]
     assert response.json()["state"] in ("PENDING", "RUNNING")
     events = EventReader(controller, job_a)
     events.start()
-    response = controller.call("POST", "/v1/jobs", json=job_body(stack, "long", num_steps=10_000))
-    assert response.status_code == 201, response.text
-    job_b = response.json()["job_id"]
-
-    for job_id in (job_a, job_b):
-        controller.wait_job(job_id, lambda job: job["state"] == "RUNNING" and job["pools"]["engines"]["live"] == 1)
+    controller.wait_job(job_a, lambda job: job["state"] == "RUNNING" and job["pools"]["engines"]["live"] == 1)
     pids_a, pids_b = controller.job_pids(job_a), controller.job_pids(job_b)
     assert set(pids_a) == {"engine-0", "weightsync", "worker-0", "trainer"}
     # Separate engine pools and processes per job (the session server sends a job's sessions to its pool only).
