@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,12 @@ def _descendants_named(pid: int, name: str) -> list[int]:
 
 
 def _parent_userns_limit(gateway: UnprivilegedGateway) -> str:
-    (keeper_sleep,) = _descendants_named(gateway.process.pid, "sleep")  # one sandbox: one keeper
+    # One sandbox: one keeper. Polled: a CI run's single /proc scan found none right after an exec (the scan is
+    # not atomic: a process that forks or exits meanwhile can break the parent chain for that one pass).
+    deadline = time.monotonic() + 10.0
+    while len(found := _descendants_named(gateway.process.pid, "sleep")) != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (keeper_sleep,) = found
     finished = subprocess.run(
         [sys.executable, "-c", PARENT_USERNS_LIMIT, str(keeper_sleep)], capture_output=True, text=True, check=True
     )
