@@ -9,6 +9,7 @@ job that exists (and has ended, so that its SSE stream ends) stands behind some 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +27,9 @@ MAX_EXAMPLES_PER_OPERATION = 30
 @pytest.fixture
 def served_controller(redis_url: str, controller_kit: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     """(base URL, OpenAPI document) of a controller served from a background thread."""
-    settings_ = controller_kit.make_settings(redis_url, cancel_wait_s=0.5)
+    # A key prefix of its own: nothing else on this worker's Redis (another controller's lease) can touch it.
+    key_prefix = f"openapi-{uuid.uuid4().hex[:8]}"
+    settings_ = controller_kit.make_settings(redis_url, cancel_wait_s=0.5, key_prefix=key_prefix)
     app = build_service(settings_, Metrics("controller"), backend=controller_kit.FakeBackend())
     with serve_in_thread(app) as base_url:
         yield base_url, httpx.get(f"{base_url}/openapi.json").json()
@@ -39,11 +42,18 @@ def ended_job(base_url: str, controller_kit: Any) -> str:
     job_id: str = created["job_id"]
     httpx.post(f"{base_url}/v1/jobs/{job_id}/cancel", headers=auth)
     deadline = time.monotonic() + 60  # seconds on a loaded machine (make test runs tests in parallel)
+    record: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        if httpx.get(f"{base_url}/v1/jobs/{job_id}", headers=auth).json()["state"] in ("CANCELLED", "FAILED"):
+        record = httpx.get(f"{base_url}/v1/jobs/{job_id}", headers=auth).json()
+        if record["state"] in ("CANCELLED", "FAILED"):
             return job_id
         time.sleep(0.02)
-    raise AssertionError(f"job {job_id} never ended")
+    supervisor_lines = [
+        line
+        for line in httpx.get(f"{base_url}/metrics").text.splitlines()
+        if line.startswith(("miles_controller_supervisor_leader", "miles_controller_supervised_jobs"))
+    ]
+    raise AssertionError(f"job {job_id} never ended: {record} (supervisor: {supervisor_lines})")
 
 
 def test_openapi_publishes_every_job_route(served_controller: tuple[str, dict[str, Any]]) -> None:
