@@ -7,6 +7,7 @@ field), so every schema is self-contained.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -16,6 +17,9 @@ from miles.session.tito.families import family_names
 from miles.session.tito.messages import ROLES
 
 JOB_ID_PATTERN = r"^[^\s{}/]{1,200}$"
+ROLE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+NODE_ID_PATTERN = r"^[0-9a-f]{16}$"
+MAX_ROLES = 8
 MIN_TTL_S = 1.0
 """Shortest ttl_s a session may ask for (its store keys expire with millisecond resolution)."""
 FAMILY_SCHEMA: dict[str, Any] = {"enum": list(family_names())}
@@ -95,8 +99,30 @@ class JobConfigBody(BaseModel):
         "model_path is MoE (config.json model_type qwen3_moe). true with a dense model is a 400 "
         "(invalid_job_config, field record_routing). The job's engines must run with --enable-return-routed-experts",
     )
+    roles: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_ROLES,
+        description="The roles of a multi-agent episode's sessions (e.g. solver, verifier): a session created "
+        "with a role must name one of them, and its samples carry metadata.role. Empty: sessions take no role",
+        json_schema_extra={"items": {"type": "string", "pattern": ROLE_PATTERN}, "uniqueItems": True},
+    )
+    tree_sessions: bool = Field(
+        default=False,
+        description="The job's sessions are trees unless a session asks otherwise: a turn may fork from any "
+        "earlier node, retry deep in the history, or start a new root (compaction); samples are one per leaf path",
+    )
 
     _sampling = field_validator("sampling_defaults")(check_sampling_keys)
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, value: list[str]) -> list[str]:
+        bad = [role for role in value if not re.fullmatch(ROLE_PATTERN, role)]
+        if bad:
+            raise ValueError(f"roles must match {ROLE_PATTERN} (got {bad})")
+        if len(set(value)) != len(value):
+            raise ValueError(f"roles must be unique (got {value})")
+        return value
 
 
 class CreateSessionRequest(BaseModel):
@@ -121,6 +147,17 @@ class CreateSessionRequest(BaseModel):
         allow_inf_nan=False,
         description="Idle expiry in seconds, at least 1 and at most the server's max_ttl_s; default: the "
         "server's default_ttl_s",
+    )
+    role: str | None = Field(
+        default=None,
+        pattern=ROLE_PATTERN,
+        description="The session's role in a multi-agent episode: one of the job's declared roles (400 otherwise); "
+        "every sample carries it as metadata.role",
+    )
+    tree: bool | None = Field(
+        default=None,
+        description="A tree session (turns may fork, retry at any depth, or start a new root) or a linear one; "
+        "default: the job's tree_sessions",
     )
 
     _sampling = field_validator("sampling_defaults")(check_sampling_keys)
@@ -184,6 +221,12 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    parent_node_id: str | None = Field(
+        default=None,
+        pattern=NODE_ID_PATTERN,
+        description="Tree sessions only: place this turn under that node (its history must be a prefix of "
+        "messages). Default: the deepest node whose history is a strict prefix of messages, else a new root",
+    )
     response_format: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra={

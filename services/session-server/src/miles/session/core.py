@@ -44,6 +44,8 @@ from miles.session.samples import SampleData, build_samples
 from miles.session.settings import SessionSettings
 from miles.session.store import SessionStore
 from miles.session.tito import ComparisonResult, UnknownFamilyError, get_family
+from miles.session.tree import SessionTree
+from miles.session.tree_samples import tree_samples, tree_view
 from miles.session.turns import TurnRunner
 
 logger = logging.getLogger(__name__)
@@ -185,6 +187,12 @@ class SessionCore:
             raise InvalidRequestError(
                 f"model_family {config.model_family!r} cannot serve this model: {exc.message}", field="model_family"
             ) from None
+        role = request.role or ""
+        if role and role not in config.roles:
+            declared = f"declares the roles {config.roles}" if config.roles else "declares no roles"
+            raise InvalidRequestError(
+                f"role {role!r} is not a role of job {request.job_id!r}, which {declared}", field="role"
+            )
         ttl_s = request.ttl_s or self.settings.default_ttl_s
         if ttl_s > self.settings.max_ttl_s:
             message = f"ttl_s must be at most the server's max_ttl_s={self.settings.max_ttl_s:g} (got {ttl_s:g})"
@@ -199,6 +207,8 @@ class SessionCore:
             metadata=request.metadata or {},
             ttl_s=ttl_s,
             created_at_unix_ms=int(time.time() * 1000),
+            role=role,
+            tree=config.tree_sessions if request.tree is None else request.tree,
         )
         held = await self.store.create(meta, dataclasses.replace(claim, session_id=session_id) if claim else None)
         if held is not None and claim is not None:  # a concurrent request with the same key created it first
@@ -271,21 +281,16 @@ class SessionCore:
         )
 
     async def describe(self, meta: SessionMeta) -> Json:
-        """GET /v1/sessions/{id}: metadata, history, the token buffer, every record and the TITO check."""
+        """GET /v1/sessions/{id}: metadata, history, the token buffer, every record and the TITO check; a tree
+        session's view is its tree's shape and records instead (no path is rendered, no lock is taken)."""
         state, records, model = await self._load(meta)
+        if meta.tree:
+            tree = SessionTree(await self.store.load_tree(meta.session_id))
+            return {**self._head(meta, state, model), "tree": await asyncio.to_thread(tree_view, tree)}
         comparison = await asyncio.to_thread(self._comparison, model, state, records)
         return {
-            "session_id": meta.session_id,
-            "job_id": meta.job_id,
-            "episode_id": meta.episode_id,
-            "created_at_unix_ms": meta.created_at_unix_ms,
-            "ttl_s": meta.ttl_s,
-            "metadata": meta.metadata,
-            "model": meta.model.to_json(),
-            "version": state.version,
+            **self._head(meta, state, model),
             "num_turns": len(records),
-            "num_not_recorded_turns": state.num_not_recorded,
-            "max_trim_tokens": model.tito.max_trim_tokens,
             "messages": state.messages,
             "tools": state.tools,
             "accumulated_token_ids": state.token_ids,
@@ -294,17 +299,46 @@ class SessionCore:
             "tito_session_mismatch": comparison.to_metadata() if comparison is not None else None,
         }
 
+    @staticmethod
+    def _head(meta: SessionMeta, state: SessionState, model: SessionModel) -> Json:
+        return {
+            "session_id": meta.session_id,
+            "job_id": meta.job_id,
+            "episode_id": meta.episode_id,
+            "created_at_unix_ms": meta.created_at_unix_ms,
+            "ttl_s": meta.ttl_s,
+            "metadata": meta.metadata,
+            "model": meta.model.to_json(),
+            "role": meta.role or None,
+            "kind": "tree" if meta.tree else "linear",
+            "version": state.version,
+            "num_not_recorded_turns": state.num_not_recorded,
+            "max_trim_tokens": model.tito.max_trim_tokens,
+        }
+
     async def samples(self, meta: SessionMeta, request: SamplesRequest) -> Any:
         """POST /v1/sessions/{id}/samples as a `miles.session.v1.SessionSamples` message."""
         state, records, model = await self._load(meta)
-        chunks = await self.store.load_routing(meta.session_id) if model.routing is not None else []
-        samples, empty_reason, comparison = await asyncio.to_thread(
-            self._build_samples, meta, state, records, chunks, model, request
-        )
-        if comparison is not None:
-            self.metrics.tito.record(comparison)
+        session_metadata: Json = {
+            "num_not_recorded_turns": state.num_not_recorded,
+            "max_trim_tokens": model.tito.max_trim_tokens,
+            "model_family": meta.model.model_family,
+        }
+        if meta.tree:
+            samples, empty_reason, comparison = await self._tree_samples(meta, model, request, session_metadata)
+        else:
+            chunks = await self.store.load_routing(meta.session_id) if model.routing is not None else []
+            samples, empty_reason, comparison = await asyncio.to_thread(
+                self._build_samples, meta, state, records, chunks, model, request
+            )
+            if comparison is not None:
+                self.metrics.tito.record(comparison)
+            session_metadata["num_turns"] = len(records)
+        session_metadata["tito_session_mismatch"] = comparison.to_metadata() if comparison is not None else None
         num_critical = comparison.num_critical if comparison is not None else 0
         metadata = {**meta.metadata, **(request.metadata or {}), "tito_num_critical": num_critical}
+        if meta.role:
+            metadata["role"] = meta.role
         messages = []
         for sample in samples:
             self.metrics.samples.labels(status=sample.status).inc()
@@ -313,16 +347,35 @@ class SessionCore:
                     sample, meta, group_id=request.group_id, reward=request.reward, metadata=metadata
                 )
             )
-        session_metadata: Json = {
-            "num_turns": len(records),
-            "num_not_recorded_turns": state.num_not_recorded,
-            "max_trim_tokens": model.tito.max_trim_tokens,
-            "model_family": meta.model.model_family,
-            "tito_session_mismatch": comparison.to_metadata() if comparison is not None else None,
-        }
         return samples_wire.session_samples(
             meta, messages, empty_reason=empty_reason, session_metadata=session_metadata
         )
+
+    async def _tree_samples(
+        self, meta: SessionMeta, model: SessionModel, request: SamplesRequest, session_metadata: Json
+    ) -> tuple[list[SampleData], str, ComparisonResult | None]:
+        """A tree session's samples (tree_samples.py); the worst path's TITO check stands for the session."""
+        tree = SessionTree(await self.store.load_tree(meta.session_id))
+        deltas = await self.store.load_tree_ids(meta.session_id)
+        chunks = await self.store.load_tree_routing(meta.session_id) if model.routing is not None else None
+        built = await asyncio.to_thread(
+            tree_samples,
+            model,
+            tree,
+            deltas,
+            chunks,
+            episode_id=meta.episode_id,
+            mode=request.mode,
+            max_seq_len=request.max_seq_len,
+        )
+        for comparison in built.comparisons.values():
+            self.metrics.tito.record(comparison)
+        self.metrics.tree_path_tokens.inc(built.stats.num_path_tokens)
+        self.metrics.tree_unique_tokens.inc(built.stats.num_tree_tokens)
+        session_metadata["num_turns"] = built.stats.num_nodes
+        session_metadata["tree"] = built.stats.to_json()
+        session_metadata["tito_num_critical_paths"] = sum(1 for c in built.comparisons.values() if c.num_critical)
+        return built.samples, built.empty_reason, built.worst
 
     def _build_samples(
         self,

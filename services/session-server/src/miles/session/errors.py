@@ -93,6 +93,12 @@ class ToolsChangedError(InvalidArgumentError):
     code = "tools_changed"
 
 
+class TreeFullError(ConflictError):
+    """A tree session holds max_tree_nodes nodes or max_tree_tokens stored ids: start a new session."""
+
+    code = "session_tree_full"
+
+
 class InvalidJobConfigError(InvalidArgumentError):
     """A job model config names a model directory, family or kwargs that cannot be served."""
 

@@ -18,6 +18,7 @@ from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry
 from miles.session.settings import SessionSettings
 from miles.session.store import make_store
+from miles.session.tree_turns import TreeLimits
 from miles.session.turns import TurnRunner
 from miles.session.upstream import EngineClient
 
@@ -37,7 +38,8 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
         retry_after_s=settings.upstream_retry_after_s,
     )
     session_metrics = SessionMetrics(metrics)
-    turns = TurnRunner(store=store, models=models, engine=engine, metrics=session_metrics)
+    tree_limits = TreeLimits(max_nodes=settings.max_tree_nodes, max_tokens=settings.max_tree_tokens)
+    turns = TurnRunner(store=store, models=models, engine=engine, metrics=session_metrics, tree_limits=tree_limits)
     core = SessionCore(settings=settings, store=store, models=models, turns=turns, metrics=session_metrics)
 
     async def close() -> None:

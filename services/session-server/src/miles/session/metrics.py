@@ -24,6 +24,15 @@ class SessionMetrics:
         )
         self.turn_errors = metrics.counter("turn_errors", "Failed chat turns by error code", ["code"])
         self.rollbacks = metrics.counter("turn_rollbacks", "Turns that retried (rolled back) the last generated turn")
+        self.tree_nodes = metrics.counter(
+            "tree_nodes", "Nodes recorded in tree sessions (kind: root, a first turn or a compaction; child)", ["kind"]
+        )
+        self.tree_path_tokens = metrics.counter(
+            "tree_path_tokens", "Tokens of tree sessions' leaf-path samples (a shared prefix counted once per path)"
+        )
+        self.tree_unique_tokens = metrics.counter(
+            "tree_unique_tokens", "Tokens of tree sessions' samples counted once (what a packed tree sample trains)"
+        )
         self.prompt_tokens = metrics.counter("prompt_tokens", "Prompt tokens sent to the engine (tokens in)")
         self.completion_tokens = metrics.counter("completion_tokens", "Tokens sampled by the engine (tokens out)")
         self.cached_tokens = metrics.counter("cached_tokens", "Prompt tokens the engine served from its prefix cache")

@@ -56,6 +56,10 @@ class ModelConfig:
     record_routing: bool = False
     """Routing replay (R3): every turn asks the engine for its routed experts and samples carry them. Resolved
     when the job config is PUT (its None: on when the model is MoE); needs a MoE model."""
+    roles: list[str] = field(default_factory=list)
+    """The roles the job's sessions may take (multi-agent episodes); empty: sessions have no role."""
+    tree_sessions: bool = False
+    """The job's sessions are trees (tree.py) unless a session asks otherwise."""
 
     def to_json(self) -> Json:
         return asdict(self)
@@ -74,6 +78,8 @@ class ModelConfig:
             max_new_tokens=data.get("max_new_tokens"),
             split_special_tokens=bool(data.get("split_special_tokens", False)),
             record_routing=bool(data.get("record_routing", False)),
+            roles=[str(role) for role in data.get("roles") or []],
+            tree_sessions=bool(data.get("tree_sessions", False)),
         )
 
 
@@ -89,6 +95,10 @@ class SessionMeta:
     metadata: Json
     ttl_s: float
     created_at_unix_ms: int
+    role: str = ""
+    """The session's role in a multi-agent episode (one of the job's roles; "" for none): on every sample."""
+    tree: bool = False
+    """A tree session (tree.py): turns may fork, retry at any depth and start new roots; else linear."""
 
     def to_json(self) -> Json:
         data = asdict(self)
@@ -106,6 +116,8 @@ class SessionMeta:
             metadata=dict(data.get("metadata") or {}),
             ttl_s=float(data["ttl_s"]),
             created_at_unix_ms=int(data["created_at_unix_ms"]),
+            role=str(data.get("role") or ""),
+            tree=bool(data.get("tree", False)),
         )
 
 
@@ -230,6 +242,8 @@ class CommitOutcome(StrEnum):
     """Another turn on the session committed (or rolled back) since this one read the session."""
     SESSION_GONE = "session_gone"
     """The session was deleted or expired while the engine generated."""
+    TREE_FULL = "tree_full"
+    """A tree session reached max_tree_nodes or max_tree_tokens while the engine generated (concurrent branches)."""
 
 
 def pack_ids(ids: list[int]) -> bytes:

@@ -75,6 +75,13 @@ class SessionSettings(ServiceSettings):
     max_messages: int = Field(default=4096, ge=1)
     """Most messages one chat completion request may carry."""
 
+    max_tree_nodes: int = Field(default=1024, ge=1)
+    """Most model calls a tree session records (its nodes); a turn past it is a 409 session_tree_full."""
+
+    max_tree_tokens: int = Field(default=4 * 1024 * 1024, ge=1)
+    """Most token ids a tree session stores over all its nodes (a shared prefix counts once): 16 MiB in the
+    store; a turn past it is a 409 session_tree_full (or, when concurrent branches crossed it, not recorded)."""
+
     lock_ttl_s: float = Field(default=30.0, gt=0)
     """Lease of the per-session lock; a crashed holder's lock frees itself after this. Commits are fenced by the
     session's version counter, so an expired lease never corrupts a session."""

@@ -10,6 +10,8 @@ Backends: `RedisStore` (default; every replica shares it, so any replica serves 
   a session. `delete` waits for the lock the same way. A commit with a routing chunk (R3) appends it beside the
   record and trims the chunks with the records: chunks already stored are never rewritten, so a turn's write
   does not grow with the session.
+- a tree session (tree.py) keeps its nodes beside the session: `add_node` adds one atomically, bounded by node
+  count and stored tokens; nodes are never rewritten, and go with the session.
 - a session expires `ttl_s` after its creation or last commit; `reap()` counts expiries once across replicas.
 - an Idempotency-Key of a create is stored with its session (`create(meta, idempotency)` claims it atomically)
   and expires, or is deleted, with it; `rotate_token` replaces the session's token hash (a replay's new token).
@@ -31,6 +33,7 @@ from miles.session.records import (
     TurnRecord,
 )
 from miles.session.settings import SessionSettings
+from miles.session.tree import TreeCommit, TreeNode
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,23 @@ class SessionStore(Protocol):
 
     async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
         """Phase 3 (see the module docstring); SessionBusyError when the lock stays taken for lock_wait_s."""
+        ...
+
+    async def load_tree(self, session_id: str) -> list[TreeNode]:
+        """A tree session's nodes without their ids ([] for none yet, or a linear session)."""
+        ...
+
+    async def load_tree_ids(self, session_id: str, node_ids: list[str] | None = None) -> dict[str, list[int]]:
+        """The stored ids (`delta`) of the given nodes (every node when None)."""
+        ...
+
+    async def load_tree_routing(self, session_id: str) -> dict[str, bytes]:
+        """The routing chunk of every node of a tree session that records routing."""
+        ...
+
+    async def add_node(self, session_id: str, commit: TreeCommit) -> CommitOutcome:
+        """Phase 3 of a tree turn: one atomic step, never fenced by other turns (they branch); TREE_FULL past the
+        bounds (counted as a not-recorded turn); restarts the expiry clock like a commit."""
         ...
 
     async def delete(self, session_id: str) -> bool:

@@ -24,6 +24,7 @@ from miles.session.records import (
     TurnRecord,
 )
 from miles.session.store import ReapResult
+from miles.session.tree import TreeCommit, TreeNode
 
 
 @dataclass
@@ -34,6 +35,10 @@ class _Entry:
     routing: list[bytes] = field(default_factory=list)
     expires_at_s: float = 0.0
     idempotency_key_sha256: str | None = None
+    nodes: dict[str, TreeNode] = field(default_factory=dict)
+    node_ids: dict[str, list[int]] = field(default_factory=dict)
+    node_routing: dict[str, bytes] = field(default_factory=dict)
+    tree_tokens: int = 0
 
 
 class MemoryStore:
@@ -117,6 +122,39 @@ class MemoryStore:
                 tools=commit.tools,
                 message_ends=commit.message_ends,
             )
+            entry.expires_at_s = time.time() + entry.meta.ttl_s
+            return CommitOutcome.COMMITTED
+
+    async def load_tree(self, session_id: str) -> list[TreeNode]:
+        entry = self._live(session_id)
+        return list(entry.nodes.values()) if entry else []
+
+    async def load_tree_ids(self, session_id: str, node_ids: list[str] | None = None) -> dict[str, list[int]]:
+        entry = self._live(session_id)
+        if entry is None:
+            return {}
+        wanted = entry.node_ids.keys() if node_ids is None else node_ids
+        return {node_id: entry.node_ids[node_id] for node_id in wanted if node_id in entry.node_ids}
+
+    async def load_tree_routing(self, session_id: str) -> dict[str, bytes]:
+        entry = self._live(session_id)
+        return dict(entry.node_routing) if entry else {}
+
+    async def add_node(self, session_id: str, commit: TreeCommit) -> CommitOutcome:
+        async with self._lock(session_id):
+            entry = self._live(session_id)
+            if entry is None:
+                return CommitOutcome.SESSION_GONE
+            num_tokens = entry.tree_tokens + len(commit.delta_ids)
+            if len(entry.nodes) >= commit.max_nodes or num_tokens > commit.max_tokens:
+                entry.state = dataclasses.replace(entry.state, num_not_recorded=entry.state.num_not_recorded + 1)
+                return CommitOutcome.TREE_FULL
+            node_id = commit.node.node_id
+            entry.nodes[node_id], entry.node_ids[node_id] = commit.node, list(commit.delta_ids)
+            if commit.routing is not None:
+                entry.node_routing[node_id] = commit.routing
+            entry.tree_tokens = num_tokens
+            entry.state = dataclasses.replace(entry.state, version=entry.state.version + 1)
             entry.expires_at_s = time.time() + entry.meta.ttl_s
             return CommitOutcome.COMMITTED
 

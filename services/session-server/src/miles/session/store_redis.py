@@ -7,6 +7,7 @@ Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together
 - `P:s:{id}:records` list of TurnRecord JSON (appended per commit; trimmed by a rollback).
 - `P:s:{id}:routing` list of packed routing chunks (R3), one per record, binary, appended and trimmed with the
   records; absent for sessions that do not record routing. Read only to build samples.
+- `P:s:{id}:nodes`, `:node_ids`, `:node_routing`: a tree session's nodes (store_redis_tree.py).
 - `P:s:{id}:lock` the per-session lock: a lease (SET NX PX) released by compare-and-delete.
 - `P:live` sorted set of session ids scored by expiry time (ms): live-session count, listing, expiry counting.
 - `P:job:<job_id>:config` a job's ModelConfig JSON (no expiry; deleted by the controller).
@@ -24,12 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -49,9 +49,7 @@ from miles.session.records import (
 )
 from miles.session.settings import SessionSettings
 from miles.session.store import ReapResult
-
-P = ParamSpec("P")
-T = TypeVar("T")
+from miles.session.store_redis_tree import TREE_SUFFIXES, RedisTree, store_errors
 
 _BUSY = -3
 _STATE_FIELDS = ("version", "messages", "ids", "tools", "ends", "not_recorded")
@@ -117,30 +115,16 @@ if idem then redis.call('PEXPIRE', idem, ARGV[8]) end
 redis.call('ZADD', KEYS[4], ARGV[10], ARGV[9])
 return version + 1
 """
-# KEYS: hash, records, lock, live, routing. ARGV: id. -> 1 deleted | 0 missing | -3 busy
+# KEYS: hash, records, lock, live, routing, nodes, node ids, node routing. ARGV: id. -> 1 deleted | 0 missing | -3 busy
 _DELETE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
 local idem = redis.call('HGET', KEYS[1], 'idem')
 if idem then redis.call('DEL', idem) end
 redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('DEL', KEYS[2], KEYS[5])
+redis.call('DEL', KEYS[2], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 return redis.call('DEL', KEYS[1])
 """
 _REAP_BATCH = 1000
-
-
-def _store_errors(method: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-    """Redis failures become StoreUnavailableError (503 with Retry-After), never a 500."""
-
-    @functools.wraps(method)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return await method(*args, **kwargs)
-        except (RedisError, OSError) as exc:
-            message = f"session store unavailable: {type(exc).__name__}: {exc}"
-            raise StoreUnavailableError(message, retry_after_s=1.0) from exc
-
-    return wrapper
 
 
 def _text(value: Any) -> str:
@@ -163,7 +147,7 @@ def _state(values: list[Any]) -> SessionState:
     )
 
 
-class RedisStore:
+class RedisStore(RedisTree):
     def __init__(self, client: aioredis.Redis, *, key_prefix: str, lock_ttl_s: float, lock_wait_s: float) -> None:
         self._redis = client
         self._prefix = key_prefix
@@ -175,6 +159,7 @@ class RedisStore:
         self._delete = client.register_script(_DELETE)
         self._create = client.register_script(_CREATE)
         self._rotate = client.register_script(_ROTATE)
+        self._register_tree_scripts()
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -193,9 +178,11 @@ class RedisStore:
         return f"{self._prefix}:s:{{{session_id}}}{suffix}"
 
     def _session_keys(self, session_id: str) -> list[str]:
-        """hash, records, lock, live index, routing: the KEYS of the commit and delete scripts."""
+        """hash, records, lock, live index, routing, then the tree's keys: the KEYS of the commit and delete
+        scripts."""
         key = self._key(session_id)
-        return [key, f"{key}:records", f"{key}:lock", f"{self._prefix}:live", f"{key}:routing"]
+        tree_keys = [f"{key}{suffix}" for suffix in TREE_SUFFIXES]
+        return [key, f"{key}:records", f"{key}:lock", f"{self._prefix}:live", f"{key}:routing", *tree_keys]
 
     def _job_key(self, job_id: str) -> str:
         return f"{self._prefix}:job:{job_id}:config"
@@ -227,7 +214,7 @@ class RedisStore:
     def _idem_key(self, key_sha256: str) -> str:
         return f"{self._prefix}:idem:{key_sha256}"
 
-    @_store_errors
+    @store_errors
     async def create(self, meta: SessionMeta, idempotency: IdempotencyRecord | None = None) -> IdempotencyRecord | None:
         ttl_ms = max(1, int(meta.ttl_s * 1000))
         keys = [self._key(meta.session_id), f"{self._prefix}:live"]
@@ -247,7 +234,7 @@ class RedisStore:
             return None
         return IdempotencyRecord.from_text(idempotency.key_sha256, _text(held))
 
-    @_store_errors
+    @store_errors
     async def get_idempotency(self, key_sha256: str) -> IdempotencyRecord | None:
         raw = await self._redis.get(self._idem_key(key_sha256))
         if raw is None:
@@ -255,14 +242,14 @@ class RedisStore:
         record = IdempotencyRecord.from_text(key_sha256, _text(raw))
         return record if await self._redis.exists(self._key(record.session_id)) else None
 
-    @_store_errors
+    @store_errors
     async def rotate_token(self, session_id: str, token_sha256: str) -> SessionMeta | None:
         raw = await self._rotate(keys=[self._key(session_id)], args=[token_sha256])
         if raw is None:
             return None
         return dataclasses.replace(SessionMeta.from_json(json.loads(raw)), token_sha256=token_sha256)
 
-    @_store_errors
+    @store_errors
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         raw, token = await self._redis.hmget(self._key(session_id), ["meta", "token"])
         if raw is None:
@@ -270,7 +257,7 @@ class RedisStore:
         meta = SessionMeta.from_json(json.loads(raw))
         return meta if token is None else dataclasses.replace(meta, token_sha256=_text(token))
 
-    @_store_errors
+    @store_errors
     async def load_state(self, session_id: str) -> SessionState | None:
         values: list[Any] = await self._redis.hmget(self._key(session_id), list(_STATE_FIELDS))
         return None if values[0] is None else _state(values)
@@ -298,17 +285,17 @@ class RedisStore:
         with contextlib.suppress(RedisError, OSError):
             await self._release(keys=[lock_key], args=[owner])
 
-    @_store_errors
+    @store_errors
     async def load_records(self, session_id: str) -> list[TurnRecord]:
         raw = await self._redis.lrange(self._key(session_id, ":records"), 0, -1)
         return [TurnRecord.from_json(json.loads(item)) for item in raw]
 
-    @_store_errors
+    @store_errors
     async def load_routing(self, session_id: str) -> list[bytes]:
         raw = await self._redis.lrange(self._key(session_id, ":routing"), 0, -1)
         return [item if isinstance(item, bytes) else item.encode() for item in raw]  # the client never decodes
 
-    @_store_errors
+    @store_errors
     async def commit(self, session_id: str, commit: TurnCommit) -> CommitOutcome:
         ttl_ms = int(commit.ttl_s * 1000)
         args: list[str | bytes | int] = [
@@ -333,12 +320,12 @@ class RedisStore:
             return CommitOutcome.CONCURRENT_TURN
         return CommitOutcome.COMMITTED
 
-    @_store_errors
+    @store_errors
     async def delete(self, session_id: str) -> bool:
         keys = self._session_keys(session_id)
         return bool(await self._until_free(session_id, lambda: self._delete(keys=keys, args=[session_id])))
 
-    @_store_errors
+    @store_errors
     async def list_sessions(self, job_id: str | None, limit: int) -> list[str]:
         found: list[str] = []
         offset = 0
@@ -357,7 +344,7 @@ class RedisStore:
             found.extend(batch)
         return found[:limit]
 
-    @_store_errors
+    @store_errors
     async def reap(self) -> ReapResult:
         now_ms, live_key = _now_ms(), f"{self._prefix}:live"
         stale = [_text(item) for item in await self._redis.zrangebyscore(live_key, "-inf", now_ms, 0, _REAP_BATCH)]
@@ -378,15 +365,15 @@ class RedisStore:
         num_live = int(await self._redis.zcount(live_key, now_ms, "+inf"))
         return ReapResult(num_live=num_live, num_expired=num_expired)
 
-    @_store_errors
+    @store_errors
     async def put_job_config(self, job_id: str, config: ModelConfig) -> None:
         await self._redis.set(self._job_key(job_id), dumps(config.to_json()))
 
-    @_store_errors
+    @store_errors
     async def get_job_config(self, job_id: str) -> ModelConfig | None:
         raw = await self._redis.get(self._job_key(job_id))
         return None if raw is None else ModelConfig.from_json(json.loads(raw))
 
-    @_store_errors
+    @store_errors
     async def delete_job_config(self, job_id: str) -> bool:
         return bool(await self._redis.delete(self._job_key(job_id)))

@@ -26,6 +26,7 @@ from miles.common.errors import MilesError
 from miles.session import openai_format, routing
 from miles.session.api_models import ChatCompletionRequest
 from miles.session.errors import (
+    InvalidRequestError,
     PromptTooLongError,
     SessionNotFoundError,
     UpstreamConflictError,
@@ -39,6 +40,8 @@ from miles.session.model_assets import ModelRegistry, SessionModel
 from miles.session.openai_format import CompletionBudget
 from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit, TurnRecord
 from miles.session.store import SessionStore
+from miles.session.tree import TreeTurnPlan
+from miles.session.tree_turns import TreeLimits, prepare_tree_turn, tree_commit, tree_fields
 from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError
 
 tracer = trace.get_tracer("miles.session")
@@ -66,12 +69,19 @@ def _upstream_error_kind(error: MilesError) -> str:
 
 class TurnRunner:
     def __init__(
-        self, *, store: SessionStore, models: ModelRegistry, engine: EngineClient, metrics: SessionMetrics
+        self,
+        *,
+        store: SessionStore,
+        models: ModelRegistry,
+        engine: EngineClient,
+        metrics: SessionMetrics,
+        tree_limits: TreeLimits,
     ) -> None:
         self._store = store
         self._models = models
         self._engine = engine
         self._metrics = metrics
+        self._tree_limits = tree_limits
 
     async def run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
         """The chat.completion body of one turn (MilesError subclasses for every refusal)."""
@@ -171,9 +181,18 @@ class TurnRunner:
     async def _run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
         attributes = {"miles.session_id": meta.session_id, "miles.job_id": meta.job_id}
         model = await self._models.get(meta.model)
+        if request.parent_node_id is not None and not meta.tree:
+            raise InvalidRequestError(
+                "parent_node_id needs a tree session (create it with tree: true, or a job with tree_sessions)",
+                field="parent_node_id",
+            )
         with tracer.start_as_current_span("session.prepare", attributes=attributes):
             phase_started_s = time.perf_counter()
-            plan = await self._prepare(meta, model, request)
+            plan: TurnPlan | TreeTurnPlan
+            if meta.tree:
+                plan = await prepare_tree_turn(self._store, meta, model, request, self._tree_limits)
+            else:
+                plan = await self._prepare(meta, model, request)
             prompt_ids = plan.prompt.prompt_ids
             self._observe_phase("prepare", phase_started_s)
         routing_start = None
@@ -188,9 +207,13 @@ class TurnRunner:
             span.set_attribute("miles.weight_version", completion.weight_version)
             self._observe_phase("upstream", phase_started_s)
         message = self._assistant_message(model, plan, completion)
+        tree: Json | None = None
         with tracer.start_as_current_span("session.commit", attributes=attributes):
             phase_started_s = time.perf_counter()
-            outcome = await self._commit(meta, plan, prompt_ids, completion, message, turn_routing)
+            if isinstance(plan, TreeTurnPlan):
+                outcome, tree = await self._commit_node(meta, plan, prompt_ids, completion, message, turn_routing)
+            else:
+                outcome = await self._commit(meta, plan, prompt_ids, completion, message, turn_routing)
             self._observe_phase("commit", phase_started_s)
         if turn_routing is not None and outcome is CommitOutcome.COMMITTED:
             self._metrics.routing_bytes.inc(len(turn_routing.chunk))
@@ -198,9 +221,36 @@ class TurnRunner:
         self._metrics.completion_tokens.inc(len(completion.output_ids))
         self._metrics.cached_tokens.inc(completion.cached_tokens)
         self._metrics.appended_tokens.inc(len(plan.prompt.appended_ids))
-        return self._body(meta, model, request, plan, prompt_ids, completion, message, outcome, budget)
+        body = self._body(meta, model, request, plan, prompt_ids, completion, message, outcome, budget)
+        if tree is not None:
+            body["miles"]["tree"] = tree
+        return body
 
-    def _assistant_message(self, model: SessionModel, plan: TurnPlan, completion: Completion) -> Json:
+    async def _commit_node(
+        self,
+        meta: SessionMeta,
+        plan: TreeTurnPlan,
+        prompt_ids: list[int],
+        completion: Completion,
+        message: Json,
+        turn_routing: TurnRouting | None,
+    ) -> tuple[CommitOutcome, Json]:
+        commit = tree_commit(
+            meta,
+            plan,
+            prompt_ids,
+            completion,
+            message,
+            limits=self._tree_limits,
+            routing_start_row=turn_routing.start_row if turn_routing is not None else None,
+            routing_chunk=turn_routing.chunk if turn_routing is not None else None,
+        )
+        outcome = await self._store.add_node(meta.session_id, commit)
+        if outcome is CommitOutcome.COMMITTED:
+            self._metrics.tree_nodes.labels(kind="root" if plan.parent is None else "child").inc()
+        return outcome, tree_fields(plan, commit, outcome)
+
+    def _assistant_message(self, model: SessionModel, plan: TurnPlan | TreeTurnPlan, completion: Completion) -> Json:
         text = model.tito.codec.decode(completion.output_ids)
         matched = completion.finish_matched
         if isinstance(matched, str) and matched and matched in text:  # a stop string: OpenAI leaves it out
@@ -252,7 +302,7 @@ class TurnRunner:
         meta: SessionMeta,
         model: SessionModel,
         request: ChatCompletionRequest,
-        plan: TurnPlan,
+        plan: TurnPlan | TreeTurnPlan,
         prompt_ids: list[int],
         completion: Completion,
         message: Json,
