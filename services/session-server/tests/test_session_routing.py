@@ -1,6 +1,6 @@
 """Acceptance of Rollout Routing Replay (R3) in sessions: a real miles-session-server (Redis) in front of a real
 `miles-engine --enable-return-routed-experts` serving the tiny Qwen3-MoE model (4 MoE layers, 8 experts, top-2),
-with a recording proxy in the router's place.
+with a recording proxy in the router's place. A tree session's paths (forks and a compacted root) carry routing the same way.
 
 A multi-turn session (a tool message and user messages between turns, a streamed turn, a retried turn) must give
 samples whose routing is exactly what one fresh `/generate` over each sample's whole token list computes on a
@@ -209,3 +209,22 @@ def test_a_dense_job_records_no_routing_and_cannot_ask_for_it(stack: Stack, qwen
     for mode in ("merge", "per_turn"):
         for sample in samples(stack, sid, auth, mode=mode):
             assert not sample.HasField("rollout_routed_experts") and sample_problem(sample) is None
+
+
+def test_every_path_of_a_tree_session_carries_exactly_the_engines_routing(
+    stack: Stack, tiny_moe_model_dir: Path
+) -> None:
+    assert put_job(stack, "moe-tree", tiny_moe_model_dir, tree_sessions=True).status_code == 200
+    sid, auth = create(stack, "moe-tree")
+    history: list[Any] = [{"role": "user", "content": "Name a colour."}]
+    history.append(chat(stack, sid, auth, history)[1])
+    for follow_up in ("Another one?", "A darker one?"):  # two forks from the first turn
+        chat(stack, sid, auth, [*history, {"role": "user", "content": follow_up}])
+    chat(stack, sid, auth, [{"role": "system", "content": "Summary: colours."}, {"role": "user", "content": "More?"}])
+    starts = [body["routed_experts_start_len"] for body in (r["body"] for r in stack.proxy.requests)]
+    first_seqlen = len(stack.proxy.responses[0]["input_ids"]) + len(stack.proxy.responses[0]["output_ids"])
+    assert starts == [0, first_seqlen - 1, first_seqlen - 1, 0]  # forks ask only for their own rows; a new root all
+    merged = samples(stack, sid, auth, mode="merge")
+    assert len(merged) == 3  # two forks and the compacted root
+    for sample in merged:
+        assert_routing_is_the_engines(stack, sample)
