@@ -1,6 +1,7 @@
 """Acceptance of Rollout Routing Replay (R3) in sessions: a real miles-session-server (Redis) in front of a real
 `miles-engine --enable-return-routed-experts` serving the tiny Qwen3-MoE model (4 MoE layers, 8 experts, top-2),
-with a recording proxy in the router's place. A tree session's paths (forks and a compacted root) carry routing the same way.
+with a recording proxy in the router's place. A tree session's paths (forks and a compacted root) carry routing the
+same way.
 
 A multi-turn session (a tool message and user messages between turns, a streamed turn, a retried turn) must give
 samples whose routing is exactly what one fresh `/generate` over each sample's whole token list computes on a
