@@ -362,3 +362,15 @@ def test_the_cpu_engine_exports_every_sglang_name_the_dashboards_query(render: R
     sglang_queried = {name for name in queried if name.startswith("sglang:")}
     assert sglang_queried
     assert sglang_queried <= scraped_names(scrape_in_process("engine"))
+
+
+def test_training_dashboard_shows_reward_per_role_from_the_trainers_gauges() -> None:
+    """Multi-agent episodes: the Training dashboard's "Reward per role" panel reads the trainer's per-role gauges,
+    split by their `role` label, and the trainer exports them (in process: no helm, no processes)."""
+    dashboard = json.loads((SERVICES_DIR.parent / "helm" / "miles" / "dashboards" / "training.json").read_text())
+    panel = next(panel for panel in _panels(dashboard["panels"]) if panel.get("title") == "Reward per role")
+    expressions = [target["expr"] for target in panel["targets"]]
+    queried = {name for expr in expressions for name in metric_names(expr)}
+    assert queried == {"miles_trainer_role_reward_mean", "miles_trainer_role_reward_std"}
+    assert queried <= scraped_names(scrape_in_process("trainer"))
+    assert all(re.search(r"\bby \(job_id, role\)", expr) for expr in expressions)

@@ -1,4 +1,5 @@
-"""From validated groups to a step plan: advantages, batch statistics, minibatches, micro-batches per rank.
+"""From validated groups to a step plan: advantages, batch statistics (per role too: roles.py), minibatches,
+micro-batches per rank.
 
 Runs on rank 0 over the whole global batch (advantage estimators need whole groups, REINFORCE++ whitening the
 whole batch). Only then is the batch split into `num_minibatches` minibatches: contiguous runs of samples in
@@ -17,6 +18,7 @@ from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.advantages import SampleReward, compute_advantages
 from miles.trainer.batch import TrainSample
 from miles.trainer.packing import plan_micro_batches
+from miles.trainer.roles import role_stats
 from miles.trainer.step import MiniBatch, StepPlan
 
 
@@ -69,7 +71,8 @@ def assemble(
     """Advantages set on the samples (in place), statistics of the batch and the step plan."""
     samples = [sample for group in groups for sample in group]
     rewards = [
-        SampleReward(s.group_index, s.reward, s.trainable, sum(s.loss_mask) if s.trainable else 0) for s in samples
+        SampleReward(s.group_index, s.reward, s.trainable, sum(s.loss_mask) if s.trainable else 0, s.role)
+        for s in samples
     ]
     if config.loss.kind == "policy_gradient":
         advantages = compute_advantages(rewards, config.loss.advantage_estimator, eps=config.loss.advantage_eps)
@@ -94,6 +97,7 @@ def assemble(
         "num_trainable_samples": float(len(trainable)),
         "num_micro_batches": float(plan.num_micro_batches),
         "response_length_mean": _mean_std([len(s.loss_mask) for s in trainable])[0],
+        **role_stats(samples),
     }
     num_tokens = sum(s.num_tokens for s in samples)
     return AssembledBatch(plan=plan, stats=stats, num_samples=len(samples), num_tokens=num_tokens)

@@ -7,6 +7,9 @@ corrupted store or a buggy agent must never crash a step. Every sample is held t
 trained on also to per-token checks against the model. Each check maps to one bounded `reason` label (used in the
 nack reason and the `miles_trainer_groups_rejected_total{reason}` counter).
 
+Roles (multi-agent episodes): a sample's `metadata["role"]` names its role (a non-empty string, else the group is
+refused as `bad_role`); advantages keep roles apart (advantages.py). Samples without it have no role.
+
 MoE routing (R3): the routing a trainable sample carries is held to the model (layers, top_k, expert ids: the
 model's forward refuses anything else) and unpacked, whether or not the job replays it (without replay it feeds
 the routing-agreement statistic). With replay on, a trainable sample without routing is refused
@@ -38,7 +41,10 @@ REJECT_REASONS = (
     "non_finite",
     "empty_prompt",
     "superseded_version",
+    "bad_role",
 )
+ROLE_KEY = "role"
+"""The Sample.metadata key naming a sample's role in a multi-agent episode."""
 
 
 class BadGroupError(Exception):
@@ -76,6 +82,8 @@ class TrainSample:
     [num_tokens - 1, num_moe_layers, top_k] (miles.common.contracts.routing), checked against the model; None
     when the sample carries none (dense model, or a job without replay whose producer did not record it) and for
     samples that are not trained on. Replayed only when the job replays (`TrainConfig.routing_replay`)."""
+    role: str | None = None
+    """The sample's role in a multi-agent episode (`metadata["role"]`); None: no role."""
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +112,16 @@ def _check_sample(sample: common_pb2.Sample, where: str, vocab_size: int, max_po
         raise BadGroupError("non_finite", f"{where} has a non-finite reward or rollout logprob")
     if sample.response_start == 0 and any(sample.loss_mask[:1]):
         raise BadGroupError("empty_prompt", f"{where}: the first token has no context to be scored in")
+
+
+def _role(sample: common_pb2.Sample, where: str) -> str | None:
+    """`metadata["role"]`: None when absent; anything but a non-empty string is refused."""
+    value = sample.metadata.fields.get(ROLE_KEY)
+    if value is None:
+        return None
+    if value.WhichOneof("kind") != "string_value" or not value.string_value:
+        raise BadGroupError("bad_role", f"{where}.metadata[{ROLE_KEY!r}] is not a non-empty string")
+    return value.string_value
 
 
 def _routed_experts(
@@ -168,6 +186,7 @@ def samples_from_group(
         where = f"samples[{index}]"
         _check_sample(sample, where, vocab_size, max_positions)
         trainable = sample.status in TRAINABLE_STATUSES
+        role = _role(sample, where)
         routed = _routed_experts(sample, where, routing, routing_replay) if trainable else None
         versions = [span.weight_version for span in sample.weight_versions]
         samples.append(
@@ -185,6 +204,7 @@ def samples_from_group(
                 max_version=max(versions) if versions else None,
                 span_versions=tuple(versions),
                 routed_experts=routed,
+                role=role,
             )
         )
     return samples

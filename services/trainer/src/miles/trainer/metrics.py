@@ -2,18 +2,23 @@
 
 Per-step values are gauges named after the step statistic (e.g. `miles_trainer_loss`,
 `miles_trainer_train_rollout_logprob_abs_diff_max`); every statistic of a step, including ones not exported
-here, is also in the step event and in Status.last_step_metrics. Labels are bounded: phase, reason, and the MoE
+here, is also in the step event and in Status.last_step_metrics. Labels are bounded: phase, reason, the MoE
 layer index of `routing_agreement_ratio` (one series per MoE layer of the model; from the step statistics
-`routing_agreement_layer_<i>`).
+`routing_agreement_layer_<i>`) and the role of `role_<stat>` (multi-agent episodes, from the step statistics
+`<stat>/role=<role>` of roles.py; at most MAX_ROLE_LABELS roles per process, the first ones met).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 
 from miles.common.telemetry import Metrics
 from miles.trainer.batch import REJECT_REASONS
+from miles.trainer.roles import MAX_ROLE_LABELS, ROLE_STATS, parse_role_key
+
+log = logging.getLogger(__name__)
 
 STEP_GAUGES: dict[str, str] = {
     "loss": "Total loss of the last step (each optimizer step's over its minibatch, mean over optimizer steps)",
@@ -98,6 +103,10 @@ class TrainerMetrics:
             "per MoE layer (0-based among the MoE layers)",
             ["layer"],
         )
+        self.role_gauges = {stat: metrics.gauge(f"role_{stat}", doc, ["role"]) for stat, doc in ROLE_STATS.items()}
+        self.roles: list[str] = []
+        """Roles with series, in the order met (at most MAX_ROLE_LABELS)."""
+        self._unexported_roles: set[str] = set()
         for reason in REJECT_REASONS:
             self.groups_rejected.labels(reason)
         self.checkpoint_step.set(-1)
@@ -130,3 +139,24 @@ class TrainerMetrics:
             match = _LAYER_AGREEMENT.fullmatch(name)
             if match is not None:
                 self.routing_agreement.labels(match.group(1)).set(value)
+        self._set_role_gauges(values)
+
+    def _set_role_gauges(self, values: Mapping[str, float]) -> None:
+        """Per-role gauges of the step; a known role absent from it has 0 samples (its rewards keep their value)."""
+        present: dict[str, dict[str, float]] = {}
+        for name, value in values.items():
+            parsed = parse_role_key(name)
+            if parsed is not None:
+                present.setdefault(parsed[1], {})[parsed[0]] = value
+        for role in present:
+            if role in self.roles or role in self._unexported_roles:
+                continue
+            if len(self.roles) < MAX_ROLE_LABELS:
+                self.roles.append(role)
+            else:  # said once per role
+                self._unexported_roles.add(role)
+                log.warning("role not exported: more than %d roles", MAX_ROLE_LABELS, extra={"role": role})
+        for role in self.roles:
+            stats = present.get(role, {"num_samples": 0.0, "num_trainable_samples": 0.0})
+            for stat, value in stats.items():
+                self.role_gauges[stat].labels(role).set(value)
