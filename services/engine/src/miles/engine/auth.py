@@ -42,9 +42,12 @@ CONTROL_PATHS = frozenset(
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
         "/weights_checker",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     }
 )
-"""Routes that need the admin key (else the api key): pauses, aborts, cache and memory control, weight updates."""
+"""Routes that need the admin key (else the api key): pauses, aborts, cache and memory control, weight updates,
+LoRA adapter loads and unloads."""
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ from typing import Any
 
 from miles.common.contracts.weight_version import INITIAL_WEIGHT_VERSION, parse_weight_version
 from miles.common.errors import MilesError
+from miles.engine.adapters import AdapterLimits, Adapters
 from miles.engine.distributed import UpdateGroups
 from miles.engine.errors import BadRequestError, WeightsCheckError, WeightUpdateError, WeightVersionBehindError
 from miles.engine.output import ResponseBuilder
 from miles.engine.planning import GeneratePlan, Limits, PlannedSequence, plan_generate
 from miles.engine.protocol import GenerateRequest, UpdateWeightsFromDistributedBody
+from miles.engine.radix_cache import CacheNamespace
 from miles.engine.requests import LogprobOptions, SamplingParams, Sequence, SeqUpdate
 from miles.engine.runner import Checksum, Runner
 from miles.engine.scheduler import Scheduler
@@ -45,12 +47,14 @@ class Engine:
         tokenizer: TextTokenizer,
         limits: Limits,
         update_groups: UpdateGroups,
+        adapters: Adapters | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.limits = limits
         self.update_groups = update_groups
+        self.adapters = adapters or Adapters(runner, scheduler, AdapterLimits(), enabled=False, max_loaded_loras=0)
         self._staged_id = ""
         self._staged: list[Any] = []
         self._inflight_rids: set[str] = set()
@@ -62,7 +66,8 @@ class Engine:
         self._check_min_weight_version(
             min_weight_version if min_weight_version is not None else request.min_weight_version
         )
-        plan = plan_generate(request, self.tokenizer, self.limits)
+        resolve_lora = self.adapters.resolve if self.adapters.enabled else None
+        plan = plan_generate(request, self.tokenizer, self.limits, resolve_lora)
         self._check_rids(plan)
         return plan
 
@@ -121,8 +126,8 @@ class Engine:
         self._check_rids(plan)  # again: another request may have taken a rid since plan()
         self._inflight_rids.update(s.rid for s in plan.sequences)
         try:
-            for prompt, namespace in plan.warmup_prompts:
-                await self._prefill_only(prompt, namespace)
+            for prompt, namespace, lora_id in plan.warmup_prompts:
+                await self._prefill_only(prompt, namespace, lora_id)
         except BaseException:
             self._inflight_rids.difference_update(s.rid for s in plan.sequences)
             raise
@@ -151,7 +156,9 @@ class Engine:
                 self.scheduler.abort(builder.rid, abort_all=False, exact=True)
             self._inflight_rids.discard(builder.rid)
 
-    async def _run_internal(self, prompt: list[int], max_new_tokens: int, namespace: str | None) -> SeqUpdate:
+    async def _run_internal(
+        self, prompt: list[int], max_new_tokens: int, namespace: CacheNamespace, lora_id: str | None = None
+    ) -> SeqUpdate:
         loop = asyncio.get_running_loop()
         queue: _Updates = asyncio.Queue()
         planned = PlannedSequence(
@@ -161,6 +168,7 @@ class Engine:
             LogprobOptions(),
             max_new_tokens,
             namespace,
+            lora_id=lora_id,
         )
         seq = _sequence(planned, _emitter(loop, queue, 0), time.monotonic(), internal=True)
         self.scheduler.submit(seq)
@@ -173,9 +181,9 @@ class Engine:
             if seq.state != "finished":
                 self.scheduler.abort(seq.rid, abort_all=False, exact=True)
 
-    async def _prefill_only(self, prompt: list[int], namespace: str | None) -> None:
+    async def _prefill_only(self, prompt: list[int], namespace: CacheNamespace, lora_id: str | None) -> None:
         """SGLang's n > 1 warm-up: prefill the prompt once so that every sample finds it cached."""
-        await self._run_internal(prompt, 0, namespace)
+        await self._run_internal(prompt, 0, namespace, lora_id)
 
     async def health_generate(self, timeout_s: float) -> bool:
         """One greedy token from input_ids [0]; False while paused or when it takes longer than timeout_s."""
@@ -322,6 +330,7 @@ def _sequence(planned: PlannedSequence, emit: Any, arrival_s: float, *, internal
         arrival_time_s=arrival_s,
         internal=internal,
         namespace=planned.namespace,
+        lora_id=planned.lora_id,
         routed_experts_start_len=planned.routed_experts_start_len,
         rng=random.Random(seed if seed is not None else secrets.randbits(64)),
     )

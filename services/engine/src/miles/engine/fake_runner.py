@@ -31,6 +31,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from miles.engine.adapters import AdapterLimits, LoraError
 from miles.engine.errors import WeightsCheckError, WeightUpdateError
 from miles.engine.requests import Sequence, TokenLogprobs
 from miles.engine.runner import Checksum, ForwardItem, ForwardResult, ModelInfo
@@ -173,6 +174,15 @@ class FakeRunner:
 
     def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
         raise WeightsCheckError("the fake model (--fake-model) holds no weights to check")
+
+    def prepare_adapter(self, lora_path: str, limits: AdapterLimits) -> Any:
+        raise LoraError("the fake model (--fake-model) has no weights to apply a LoRA adapter to")
+
+    def add_adapter(self, lora_id: str, prepared: Any) -> None:
+        raise LoraError("the fake model (--fake-model) has no weights to apply a LoRA adapter to")
+
+    def remove_adapter(self, lora_id: str) -> None:
+        return None
 
 
 def _moe_layout(raw: dict[str, Any]) -> dict[str, int]:

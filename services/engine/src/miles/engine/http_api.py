@@ -34,6 +34,7 @@ from miles.engine.core import Engine
 from miles.engine.distributed import DESTROY_MESSAGE, INIT_MESSAGE
 from miles.engine.errors import BadRequestError, EngineBusyError, WeightsCheckError, WeightUpdateError
 from miles.engine.info import ServedModel, legacy_load, loads, model_info, models, server_info
+from miles.engine.lora_routes import add_lora_routes
 from miles.engine.openapi_docs import (
     APPLY_EXAMPLES,
     CHECK_REFUSED,
@@ -121,6 +122,7 @@ def add_routes(app: FastAPI, engine: Engine, settings: EngineSettings, served: S
     add_control_routes(guarded, engine, served)
     add_update_group_routes(guarded, engine)
     add_staging_routes(guarded, engine)
+    add_lora_routes(guarded, engine)
     app.include_router(guarded)
 
 

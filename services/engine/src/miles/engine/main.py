@@ -23,6 +23,7 @@ from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.engine.adapters import Adapters, LoraError, parse_lora_path_spec
 from miles.engine.core import Engine
 from miles.engine.distributed import UpdateGroups
 from miles.engine.http_api import add_routes
@@ -31,7 +32,7 @@ from miles.engine.metrics import EngineMetrics
 from miles.engine.openapi_docs import complete_openapi
 from miles.engine.planning import Limits
 from miles.engine.radix_cache import RadixCache
-from miles.engine.runner import make_runner
+from miles.engine.runner import Runner, make_runner
 from miles.engine.scheduler import Scheduler
 from miles.engine.settings import EngineSettings
 from miles.engine.tokenizer import TextTokenizer
@@ -49,6 +50,8 @@ def parse_flags(argv: list[str] | None) -> dict[str, Any]:
         help_text = (field.description or "").replace("%", "%%")
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif "list[" in str(field.annotation):  # SGLang's nargs="*" flags (--lora-paths A=x B=y)
+            parser.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text)
     return {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}
@@ -79,8 +82,10 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         max_prefill_tokens=settings.max_prefill_tokens,
         weight_version=settings.weight_version,
         metrics=EngineMetrics(metrics, served_name),
+        max_loras_per_batch=settings.max_loras_per_batch,
     )
     scheduler.start()
+    adapters = _adapters(settings, runner, scheduler)
     limits = Limits(
         vocab_size=info.vocab_size,
         context_length=settings.context_length or info.max_position_embeddings,
@@ -95,7 +100,26 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         created_s=int(time.time()),
     )
     update_groups = UpdateGroups(settings.weight_update_group_timeout_s, runner.device)
-    return Engine(scheduler, runner, tokenizer, limits, update_groups), served
+    return Engine(scheduler, runner, tokenizer, limits, update_groups, adapters), served
+
+
+def _adapters(settings: EngineSettings, runner: Runner, scheduler: Scheduler) -> Adapters:
+    """The LoRA registry, with --lora-paths loaded (a ConfigError when one is refused)."""
+    adapters = Adapters(
+        runner,
+        scheduler,
+        settings.lora_limits,
+        enabled=settings.enable_lora,
+        max_loaded_loras=settings.max_loaded_loras or settings.max_loras_per_batch,
+    )
+    for spec in settings.lora_paths:
+        name, path = parse_lora_path_spec(spec)
+        try:
+            adapters.load_at_start(name, path)
+        except LoraError as exc:
+            scheduler.stop()
+            raise ConfigError(exc.message, field="lora_paths") from exc
+    return adapters
 
 
 def _eos_token_ids(settings: EngineSettings, config_ids: tuple[int, ...], tokenizer_eos: int | None) -> frozenset[int]:

@@ -4,18 +4,23 @@ Batch rules (SGLang's `GenerateReqInput`): `text` str / `input_ids` list of ints
 batch; scalar options apply to every item, lists must have the batch length; a string rid becomes
 `rid_0 .. rid_{N-1}` for a batch; `n > 1` turns each prompt into n samples with fresh uuid rids, flattened
 prompt-major, after a prefill-only warm-up of the prompt. `return_routed_experts` and `routed_experts_start_len`
-apply to every item. Every error raises BadRequestError with SGLang's message where SGLang has one.
+apply to every item. `lora_path` (an adapter name, or one per item, null = the base model) is resolved to the
+loaded adapter's id, which joins `extra_key` in the sequence's cache namespace (adapters.lora_namespace). Every
+error raises BadRequestError with SGLang's message where SGLang has one.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from miles.engine.adapters import LORA_NOT_ENABLED, lora_namespace
 from miles.engine.errors import BadRequestError
 from miles.engine.protocol import GenerateRequest
+from miles.engine.radix_cache import CacheNamespace
 from miles.engine.requests import LogprobOptions, SamplingParams
 from miles.engine.tokenizer import TextTokenizer
 
@@ -29,9 +34,11 @@ class PlannedSequence:
     sampling: SamplingParams
     logprobs: LogprobOptions
     max_new_tokens: int
-    namespace: str | None
+    namespace: CacheNamespace
     routed_experts_start_len: int | None = None
     """Return the routing of positions [this, seqlen - 1) (None: not asked for, or the engine does not record it)."""
+    lora_id: str | None = None
+    """The loaded LoRA adapter to run with (None: the base model)."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,8 @@ class GeneratePlan:
     is_batch: bool
     stream: bool
     return_prompt_token_ids: bool
-    warmup_prompts: list[tuple[list[int], str | None]]
+    warmup_prompts: list[tuple[list[int], CacheNamespace, str | None]]
+    """(prompt, namespace, lora_id) to prefill once before n > 1 samples."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,13 @@ class Limits:
     """--enable-return-routed-experts: requests asking for routed experts get them (else they are served without)."""
 
 
-def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Limits) -> GeneratePlan:
+def plan_generate(
+    request: GenerateRequest,
+    tokenizer: TextTokenizer,
+    limits: Limits,
+    resolve_lora: Callable[[str], str] | None = None,
+) -> GeneratePlan:
+    """`resolve_lora` maps an adapter name to its loaded id (raising BadRequestError); None: LoRA is off."""
     _refuse_unsupported(request)
     prompts, is_batch = _prompts(request, tokenizer, limits.max_sequences_per_request)
     size = len(prompts)
@@ -66,7 +80,9 @@ def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Li
         raise BadRequestError("The parallel sample size n must be the same for every item of a batch.")
     _check_num_sequences(size * num_samples, limits.max_sequences_per_request)
     options = _logprob_options(request, size, limits.vocab_size)
-    namespaces = _per_item(request.extra_key, size, "extra_key")
+    lora_ids = [_lora_id(name, resolve_lora) for name in _per_item(request.lora_path, size, "lora_path")]
+    extra_keys = _per_item(request.extra_key, size, "extra_key")
+    namespaces = [lora_namespace(lora_id, key) for lora_id, key in zip(lora_ids, extra_keys, strict=True)]
     rids = _rids(request.rid, size, is_batch)
     sequences: list[PlannedSequence] = []
     for index, prompt in enumerate(prompts):
@@ -77,7 +93,14 @@ def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Li
             rid = rids[index] if num_samples == 1 else uuid.uuid4().hex
             sequences.append(
                 PlannedSequence(
-                    rid, prompt, samplings[index], options[index], max_new, namespaces[index], routing_start
+                    rid,
+                    prompt,
+                    samplings[index],
+                    options[index],
+                    max_new,
+                    namespaces[index],
+                    routing_start,
+                    lora_ids[index],
                 )
             )
     for params in samplings:
@@ -86,7 +109,7 @@ def plan_generate(request: GenerateRequest, tokenizer: TextTokenizer, limits: Li
                 re.compile(pattern)
             except re.error as exc:
                 raise BadRequestError(f"invalid stop_regex {pattern!r}: {exc}") from exc
-    warmups = [(p, namespaces[i]) for i, p in enumerate(prompts)] if num_samples > 1 else []
+    warmups = [(p, namespaces[i], lora_ids[i]) for i, p in enumerate(prompts)] if num_samples > 1 else []
     is_list = is_batch or num_samples > 1
     return GeneratePlan(sequences, is_list, request.stream, request.return_prompt_token_ids, warmups)
 
@@ -96,9 +119,17 @@ def _refuse_unsupported(request: GenerateRequest) -> None:
         raise BadRequestError("input_embeds is not supported by miles-engine")
     if request.session_params is not None:
         raise BadRequestError("session_params is not supported by miles-engine")
-    for name in ("image_data", "video_data", "audio_data", "lora_path"):
+    for name in ("image_data", "video_data", "audio_data"):
         if getattr(request, name) is not None:
             raise BadRequestError(f"{name} is not supported by miles-engine")
+
+
+def _lora_id(name: Any, resolve_lora: Callable[[str], str] | None) -> str | None:
+    if name is None:
+        return None
+    if resolve_lora is None:
+        raise BadRequestError(LORA_NOT_ENABLED)
+    return resolve_lora(str(name))
 
 
 def _prompts(request: GenerateRequest, tokenizer: TextTokenizer, max_prompts: int) -> tuple[list[list[int]], bool]:

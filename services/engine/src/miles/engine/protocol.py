@@ -127,7 +127,35 @@ class GenerateRequest(_Body):
     image_data: Annotated[Any, _NOT_SUPPORTED] = None
     video_data: Annotated[Any, _NOT_SUPPORTED] = None
     audio_data: Annotated[Any, _NOT_SUPPORTED] = None
-    lora_path: Annotated[Any, _NOT_SUPPORTED] = None
+    lora_path: str | list[str | None] | None = None
+    """Name of a loaded LoRA adapter (/load_lora_adapter's lora_name) to run with, or one per batch item (null: the
+    base model). An adapter that is not loaded is a 400."""
+
+
+class LoadLoRAAdapterBody(_Body):
+    """POST /load_lora_adapter (SGLang's LoadLoRAAdapterReqInput)."""
+
+    lora_name: str
+    """The name /generate's `lora_path` uses."""
+    lora_path: str
+    """A Hugging Face PEFT adapter directory (adapter_config.json, adapter_model.safetensors) for this base model."""
+    pinned: bool = False
+    """Accepted; every loaded adapter stays resident here (nothing to pin)."""
+
+
+class UnloadLoRAAdapterBody(_Body):
+    """POST /unload_lora_adapter (SGLang's UnloadLoRAAdapterReqInput)."""
+
+    lora_name: str
+
+
+class LoRAUpdateResponse(BaseModel):
+    """SGLang's LoRAUpdateOutput: 200 with success true, or 400 with success false and `error_message`."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+    """lora_name -> lora_path of every adapter loaded after the call."""
 
 
 class AbortRequestBody(_Body):

@@ -9,7 +9,10 @@
   for its KV (a `KVBlock`, or None in fake-model mode).
 - `evict(num_tokens)` removes least-recently-used unlocked leaves (whole nodes) until enough tokens are freed.
 - `flush()` empties the tree. Locked nodes cannot be freed while their request runs: they are detached (never
-  matched again) and their tokens stay counted in `num_detached_tokens` until unlocked.
+  matched again) and their tokens stay counted in `num_detached_tokens` until unlocked. `drop_namespaces(keep)`
+  does the same to the namespaces `keep` rejects (an unloaded LoRA adapter's entries).
+- Namespaces are `CacheNamespace` values: a request's `extra_key` (str or None) for the base model, a tuple
+  (adapters.lora_namespace) for a LoRA adapter, so that no extra_key can name an adapter's namespace.
 
 `cached_tokens_limit` is SGLang's cap on the match (§7.2 of the protocol reference). Not thread-safe: only the
 scheduler thread calls it.
@@ -29,6 +32,8 @@ class Splittable(Protocol):
 
 
 KVOf = Callable[[int, int], Any]
+CacheNamespace = str | tuple[str | None, ...] | None
+"""Sequences of different namespaces never share cached prefixes."""
 
 
 def cached_tokens_limit(num_prompt_tokens: int, return_logprob: bool, logprob_start_len: int) -> int:
@@ -67,7 +72,7 @@ class RadixCache:
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self._clock = itertools.count(1)
-        self._roots: dict[str | None, _Node] = {}
+        self._roots: dict[CacheNamespace, _Node] = {}
         self.num_tokens = 0
         self.num_locked_tokens = 0
         self.num_detached_tokens = 0
@@ -77,13 +82,13 @@ class RadixCache:
     def num_evictable_tokens(self) -> int:
         return self.num_tokens - self.num_locked_tokens
 
-    def _root(self, namespace: str | None) -> _Node:
+    def _root(self, namespace: CacheNamespace) -> _Node:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = _Node((), None, None, 0)
         return root
 
-    def match(self, tokens: Sequence[int], limit: int, namespace: str | None = None) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], limit: int, namespace: CacheNamespace = None) -> PrefixMatch:
         if not self.enabled or limit <= 0:
             return PrefixMatch(0, None, ())
         key = tuple(tokens[:limit])
@@ -121,7 +126,7 @@ class RadixCache:
                     self.num_detached_tokens -= len(node.key)
             node = node.parent
 
-    def insert(self, tokens: Sequence[int], kv_of: KVOf, namespace: str | None = None) -> int:
+    def insert(self, tokens: Sequence[int], kv_of: KVOf, namespace: CacheNamespace = None) -> int:
         """Cache `tokens`; returns how many leading tokens were already cached."""
         if not self.enabled or not tokens:
             return 0
@@ -162,17 +167,28 @@ class RadixCache:
         return freed
 
     def flush(self) -> None:
-        for node in self._all_nodes():
+        self.drop_namespaces(lambda namespace: False)
+
+    def drop_namespaces(self, keep: Callable[[CacheNamespace], bool]) -> int:
+        """Remove every namespace for which `keep` is false (locked nodes are detached, as by flush); returns the
+        number of tokens removed."""
+        dropped = [namespace for namespace in self._roots if not keep(namespace)]
+        removed = 0
+        for node in self._all_nodes(dropped):
             node.attached = False
+            removed += len(node.key)
             if node.lock_ref > 0:
                 self.num_detached_tokens += len(node.key)
-        self._roots.clear()
-        self.num_tokens = 0
-        self.num_locked_tokens = 0
+                self.num_locked_tokens -= len(node.key)
+        for namespace in dropped:
+            del self._roots[namespace]
+        self.num_tokens -= removed
+        return removed
 
-    def _all_nodes(self) -> list[_Node]:
+    def _all_nodes(self, namespaces: Sequence[CacheNamespace] | None = None) -> list[_Node]:
         nodes: list[_Node] = []
-        stack = [child for root in self._roots.values() for child in root.children.values()]
+        roots = self._roots.values() if namespaces is None else [self._roots[n] for n in namespaces]
+        stack = [child for root in roots for child in root.children.values()]
         while stack:
             node = stack.pop()
             nodes.append(node)

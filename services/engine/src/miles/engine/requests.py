@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.engine.errors import BadRequestError
+from miles.engine.radix_cache import CacheNamespace
 
 TOP_K_ALL = 1 << 30
 GREEDY_TEMPERATURE = 1e-6
@@ -215,7 +216,9 @@ class Sequence:
     arrival_order: int = 0
     arrival_time_s: float = 0.0
     internal: bool = False
-    namespace: str | None = None
+    namespace: CacheNamespace = None
+    lora_id: str | None = None
+    """The loaded LoRA adapter this sequence runs with (None: the base model); part of `namespace`."""
     routed_experts_start_len: int | None = None
     """Report the routing of positions [this, seqlen - 1) when the sequence ends (None: not asked for)."""
     rng: random.Random = field(default_factory=random.Random)

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from miles.engine.adapters import AdapterLimits
 from miles.engine.requests import Sequence, TokenLogprobs
 from miles.engine.settings import EngineSettings
 
@@ -109,6 +110,16 @@ class Runner(Protocol):
 
     def weights_checksum(self, snapshot: Any, dtype: str | None) -> Checksum:
         """The checksum of a snapshot, each weight converted to `dtype` (None: as held); off the scheduler."""
+
+    def prepare_adapter(self, lora_path: str, limits: AdapterLimits) -> Any:
+        """Read and check a Hugging Face PEFT LoRA directory for this model (off the scheduler thread); raises
+        LoraError when it does not fit."""
+
+    def add_adapter(self, lora_id: str, prepared: Any) -> None:
+        """Serve the prepared adapter as `lora_id` to sequences whose `lora_id` names it (scheduler thread)."""
+
+    def remove_adapter(self, lora_id: str) -> None:
+        """Forget `lora_id` (scheduler thread; no sequence of it is running)."""
 
 
 def make_runner(settings: EngineSettings, num_regular_tokens: int) -> Runner:

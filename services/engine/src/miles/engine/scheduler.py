@@ -18,6 +18,10 @@ before it to finish (new ones queue behind it) unless generation is paused, then
 Routed experts (MoE, `return_routed_experts`): a sequence that ends while holding KV (finished or aborted while
 running) reports positions [routed_experts_start_len, seqlen - 1), read from the runner before its KV is
 released; one aborted in the queue reports none, as SGLang's waiting-queue aborts carry none.
+
+LoRA adapters (adapters.py): a sequence runs with its own adapter (`lora_id`, part of its cache namespace); one
+step batches at most `max_loras_per_batch` distinct adapters (the runner groups a step's sequences by adapter).
+An unload waits for the adapter's last queued or running sequence, then drops its weights and cache entries.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from miles.common.contracts.engine_control import ENGINE_PAUSE_MODES
+from miles.engine.adapters import AdapterSlots, keep_all_but
 from miles.engine.metrics import EngineMetrics
 from miles.engine.radix_cache import RadixCache, cached_tokens_limit
 from miles.engine.requests import FinishReason, LoadSnapshot, Sequence, SeqUpdate, TokenLogprobs
@@ -67,6 +72,7 @@ class Scheduler:
         max_prefill_tokens: int,
         weight_version: str,
         metrics: EngineMetrics | None = None,
+        max_loras_per_batch: int = 8,
     ) -> None:
         self._runner = runner
         self._cache = cache
@@ -77,6 +83,7 @@ class Scheduler:
         self._max_prefill_tokens = max_prefill_tokens
         self._weight_version = weight_version
         self._metrics = metrics
+        self._adapters = AdapterSlots(max_loras_per_batch)
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -155,6 +162,26 @@ class Scheduler:
 
         return self._call(command)
 
+    def add_adapter(self, lora_id: str, prepared: Any) -> Future[None]:
+        """Install a prepared LoRA adapter between steps (merged with the weights served then)."""
+
+        def command() -> None:
+            self._runner.add_adapter(lora_id, prepared)
+            self._adapters.live.add(lora_id)
+
+        return self._call(command)
+
+    def remove_adapter(self, lora_id: str) -> Future[None]:
+        """Refuse new sequences of `lora_id` now; resolves once its last sequence ended and it is dropped."""
+        result: Future[None] = Future()
+
+        def command() -> None:
+            self._adapters.live.discard(lora_id)
+            self._adapters.removals.append((lora_id, result))
+
+        self._call(command)
+        return result
+
     def weights_snapshot(self) -> Future[tuple[str, Any]]:
         """The served weight version and the runner's copy of the weights, taken together between steps (no
         update or relabel can fall between the two reads)."""
@@ -207,6 +234,8 @@ class Scheduler:
                 self._wake.clear()
 
     def _step(self) -> bool:
+        if self._adapters.removals:
+            self._drop_unused_adapters()
         if self._pending_updates and (self._paused is not None or self._update_barrier_reached()):
             self._apply_update(self._pending_updates.pop(0))
             return True
@@ -222,6 +251,9 @@ class Scheduler:
         return False
 
     def _enqueue(self, seq: Sequence) -> None:
+        if seq.lora_id is not None and seq.lora_id not in self._adapters.live:  # unloaded since it was planned
+            self._finish(seq, FinishReason("abort", message="its LoRA adapter was unloaded", status_code=400))
+            return
         seq.arrival_order = next(self._order)
         seq.state = "waiting"
         self._waiting.append(seq)
@@ -239,6 +271,9 @@ class Scheduler:
         while self._waiting and len(self._running) + len(admitted) < self._max_running:
             seq = self._waiting[0]
             if self._pending_updates and seq.arrival_order > self._pending_updates[0].barrier:
+                break
+            batch_adapters = [s.lora_id for s in self._running] + [s.lora_id for s, _ in admitted]
+            if not self._adapters.fits(batch_adapters, seq.lora_id):
                 break
             tokens = seq.all_ids
             first = seq.cached_tokens is None
@@ -430,6 +465,13 @@ class Scheduler:
         if self._metrics is not None:
             self._metrics.observe_weight_update(update.source, time.monotonic() - started, ok=True)
         update.future.set_result(self._weight_version)
+
+    def _drop_unused_adapters(self) -> None:
+        in_use = {s.lora_id for s in (*self._waiting, *self._running)}
+        for lora_id, future in self._adapters.due_removals(in_use):
+            self._runner.remove_adapter(lora_id)
+            self._cache.drop_namespaces(keep_all_but(lora_id))
+            future.set_result(None)
 
     def _flush(self) -> None:
         self._cache.flush()

@@ -19,6 +19,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from miles.common.auth import check_token_length, check_token_setting
 from miles.common.settings import ServiceSettings, service_config
+from miles.engine.adapters import SUPPORTED_TARGET_MODULES, AdapterLimits
 
 
 class EngineSettings(ServiceSettings):
@@ -102,6 +103,28 @@ class EngineSettings(ServiceSettings):
     """How long /init_weights_update_group waits for every rank to join, and each broadcast of
     /update_weights_from_distributed for the trainer to send (then the call answers 400)."""
 
+    enable_lora: bool = False
+    """SGLang's --enable-lora: serve LoRA adapters of the base model (/load_lora_adapter, /unload_lora_adapter,
+    /generate's `lora_path`). Set by lora_paths too. Needs the real model. Each loaded adapter holds a merged copy
+    of every weight it targets (miles.engine.lora): memory grows with every adapter loaded."""
+
+    lora_paths: list[str] = []
+    """SGLang's --lora-paths: adapters loaded at start, each `NAME=PATH` or `PATH` (then named by its path)."""
+
+    max_loras_per_batch: int = Field(default=8, ge=1)
+    """SGLang's --max-loras-per-batch: distinct adapters in one forward step (sequences of other adapters wait)."""
+
+    max_loaded_loras: int | None = Field(default=None, ge=1)
+    """SGLang's --max-loaded-loras: adapters loaded at once; loading another is a 400 (default: max_loras_per_batch,
+    since every loaded adapter is resident here). At least max_loras_per_batch."""
+
+    max_lora_rank: int | None = Field(default=None, ge=1)
+    """SGLang's --max-lora-rank: adapters of a higher rank `r` are refused (default: any rank)."""
+
+    lora_target_modules: list[str] | None = None
+    """SGLang's --lora-target-modules: the modules adapters may target, among q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj, or `all` (default: all of them)."""
+
     api_key: SecretStr = SecretStr("")
     """Bearer token of the generation and info routes (SGLang's --api-key), and of the control routes too when
     admin_api_key is empty; "" = generation and info routes are open."""
@@ -116,6 +139,26 @@ class EngineSettings(ServiceSettings):
             # The fake sampler computes nothing: a GPU setting would be silently ignored.
             raise ValueError(f"device {self.device!r} needs the real model: fake_model runs on the CPU only")
         return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineSettings:
+        if self.lora_paths:
+            self.enable_lora = True  # as SGLang: --lora-paths implies --enable-lora
+        if self.enable_lora and self.fake_model:
+            raise ValueError("enable_lora needs the real model: fake_model has no weights to apply adapters to")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("max_loaded_loras must be at least max_loras_per_batch")
+        unknown = set(self.lora_target_modules or ()) - {"all", *SUPPORTED_TARGET_MODULES}
+        if unknown:
+            raise ValueError(f"lora_target_modules {sorted(unknown)} are not supported: {SUPPORTED_TARGET_MODULES}")
+        return self
+
+    @property
+    def lora_limits(self) -> AdapterLimits:
+        targets = self.lora_target_modules
+        if not targets or "all" in targets:
+            return AdapterLimits(self.max_lora_rank)
+        return AdapterLimits(self.max_lora_rank, frozenset(targets))
 
     @model_validator(mode="after")
     def _check_keys(self) -> EngineSettings:

@@ -1,7 +1,8 @@
 """The real model runner: miles.model's transformer on the CPU or a GPU, sampling, logprobs and weight swaps.
 
-One `forward` runs every sequence of the step in one batched call (`CausalLM.forward_segments`), then reads
-logprobs block by block (the vocabulary is large): the rows asked for are the last position of sequences
+One `forward` runs every sequence of the step in one batched call (`CausalLM.forward_segments`) per LoRA adapter
+(the base model's sequences are one group, each adapter's run with its merged weights swapped in: lora.py), then
+reads logprobs block by block (the vocabulary is large): the rows asked for are the last position of sequences
 that sample, and prompt positions whose logprobs were requested. Sampling follows SGLang: temperature 0 is
 greedy; otherwise softmax(logits / T), filtered by top_k, top_p and min_p, sampled with the request's own random
 stream (seeded by sampling_seed when given). Reported logprobs are log_softmax(logits / T) before filtering
@@ -30,9 +31,11 @@ from typing import Any
 
 import torch
 
+from miles.engine.adapters import AdapterLimits
 from miles.engine.checksum import named_tensors_checksum
 from miles.engine.device import configure_cuda_determinism, resolve_device
 from miles.engine.errors import WeightUpdateError
+from miles.engine.lora import MergedAdapters, PreparedAdapter, read_adapter
 from miles.engine.requests import Sequence, TokenLogprobs
 from miles.engine.runner import Checksum, ForwardItem, ForwardResult, ModelInfo
 from miles.engine.settings import EngineSettings
@@ -83,6 +86,7 @@ class TorchRunner:
             num_experts=config.num_experts,
         )
         self.max_update_bytes = 8 * sum(p.numel() for p in self.model.parameters())
+        self.adapters = MergedAdapters(self.model)
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """A guard making the runner's GPU current in the calling thread (nothing on the CPU)."""
@@ -119,6 +123,23 @@ class TorchRunner:
         return kv.routed_experts(start, end).cpu().numpy().astype("<i4", copy=False).tobytes()
 
     def forward(self, items: list[ForwardItem]) -> list[ForwardResult]:
+        """One batched forward per adapter among the items (results in item order)."""
+        groups: dict[str | None, list[int]] = {}
+        for index, item in enumerate(items):
+            groups.setdefault(item.seq.lora_id, []).append(index)
+        if len(groups) == 1:
+            (lora_id,) = groups
+            with self.adapters.swapped(lora_id):
+                return self._forward_group(items)
+        results: list[ForwardResult | None] = [None] * len(items)
+        for lora_id, indices in groups.items():
+            with self.adapters.swapped(lora_id):
+                group_results = self._forward_group([items[i] for i in indices])
+            for index, result in zip(indices, group_results, strict=True):
+                results[index] = result
+        return [r for r in results if r is not None]
+
+    def _forward_group(self, items: list[ForwardItem]) -> list[ForwardResult]:
         device = self.torch_device
         with torch.inference_mode(), self._on_device():
             segments = [
@@ -206,6 +227,17 @@ class TorchRunner:
         with torch.no_grad(), self._on_device():
             for name, tensor in prepared.items():
                 params[name].copy_(tensor)
+            self.adapters.refresh(set(prepared))
+
+    def prepare_adapter(self, lora_path: str, limits: AdapterLimits) -> PreparedAdapter:
+        return read_adapter(lora_path, self.adapters.shapes(), limits)
+
+    def add_adapter(self, lora_id: str, prepared: Any) -> None:
+        with self._on_device():
+            self.adapters.add(lora_id, prepared)
+
+    def remove_adapter(self, lora_id: str) -> None:
+        self.adapters.remove(lora_id)
 
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """CPU copies (the checksum hashes host bytes off the scheduler thread)."""
