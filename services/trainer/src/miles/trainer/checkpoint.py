@@ -14,6 +14,8 @@ A checkpoint is `<checkpoint_dir>/step-00000012/`:
     state; on load DCP reads, for each rank, the pieces its new shards cover (another world size re-shards). Every
     rank must see the same checkpoint_dir (a shared volume). `model/` is still gathered on rank 0 (4 bytes per
     parameter, as for every publish).
+- LoRA (`train.lora`, `full` format only): `adapter/` in place of `model/`, the adapter in PEFT format
+  (`adapter_config.json`, `adapter_model.safetensors`, float32); `optimizer.pt` holds its AdamW state only;
 - `rng.pt`: torch RNG states (rank 0's);
 - `trainer_state.json` (`TrainerState`): step, weight version, the ids of the groups this checkpoint commits,
   the dataset cursor, the format and the world size it was written at.
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from miles.common.errors import ConfigError
 from miles.model import read_safetensors_dir
@@ -56,6 +58,9 @@ TEMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 LEDGER_FILE = "trained_groups.jsonl"
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 SHARDED_DIR = "dcp"
 _COPIED_MODEL_FILES = (
     "config.json",
@@ -133,6 +138,14 @@ def write_hf_dir(
     save_file(contiguous, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
+def write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any]) -> None:
+    """A PEFT adapter directory: adapter_config.json and adapter_model.safetensors (float32)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+    contiguous = {name: t.detach().float().contiguous().cpu() for name, t in tensors.items()}
+    save_file(contiguous, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+
+
 def atomic_publish_dir(temp_dir: Path, final_dir: Path) -> None:
     """fsync temp_dir's tree, rename it to final_dir (replacing an old one), fsync the parent."""
     fsync_tree(temp_dir)
@@ -149,10 +162,19 @@ def atomic_publish_dir(temp_dir: Path, final_dir: Path) -> None:
 class CheckpointStore:
     """The checkpoints of one job under `root`."""
 
-    def __init__(self, root: Path, *, keep_last: int, source_model_dir: Path | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep_last: int,
+        source_model_dir: Path | None,
+        adapter_config: dict[str, Any] | None = None,
+    ) -> None:
+        """`adapter_config`: LoRA jobs, the PEFT adapter_config.json content; checkpoints then hold `adapter/`."""
         self.root = root
         self.keep_last = keep_last
         self.source_model_dir = source_model_dir
+        self.adapter_config = adapter_config
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, step: int) -> Path:
@@ -202,7 +224,10 @@ class CheckpointStore:
     def commit(self, temp: Path, state: TrainerState, tensors: dict[str, torch.Tensor], rng: dict[str, Any]) -> Path:
         """Add the HF export, RNG and state to `temp`, then make it the durable checkpoint of `state.step`."""
         final = self.path_for(state.step)
-        write_hf_dir(temp / MODEL_DIR, tensors, self.source_model_dir)
+        if self.adapter_config is not None:
+            write_adapter_dir(temp / ADAPTER_DIR, tensors, self.adapter_config)
+        else:
+            write_hf_dir(temp / MODEL_DIR, tensors, self.source_model_dir)
         torch.save(rng, temp / "rng.pt")
         state.created_at_unix_ms = int(time.time() * 1000)
         (temp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, sort_keys=True))
@@ -223,13 +248,27 @@ class CheckpointStore:
         return LoadedCheckpoint(
             path=path,
             state=state,
-            tensors=read_safetensors_dir(path / MODEL_DIR),
+            tensors=self._read_weights(path),
             optimizer={
                 "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
                 "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
             },
             rng=rng,
         )
+
+    def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """`model/`'s weights, or with LoRA `adapter/`'s; a checkpoint of the other kind is refused."""
+        has_adapter = (path / ADAPTER_DIR).is_dir()
+        if has_adapter != (self.adapter_config is not None):
+            raise ConfigError(
+                f"{path} holds {'a LoRA adapter' if has_adapter else 'full weights'} but this job "
+                f"{'trains a LoRA adapter' if self.adapter_config is not None else 'has no train.lora'}: a job "
+                "resumes only from its own kind of checkpoint",
+                field="train.lora",
+            )
+        if has_adapter:
+            return load_file(str(path / ADAPTER_DIR / ADAPTER_WEIGHTS_FILE))
+        return read_safetensors_dir(path / MODEL_DIR)
 
     def _retain(self) -> None:
         steps = self.steps()

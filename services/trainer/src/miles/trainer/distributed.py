@@ -172,10 +172,10 @@ class RankRunner:
         return self.backend.hf_state_dict()
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.backend.hf_state_dict(), self.backend.optimizer_state()
+        return self.backend.checkpoint_tensors(), self.backend.optimizer_state()
 
     def load_state(self, tensors: dict[str, torch.Tensor] | None, optimizer: dict[str, Any] | None) -> None:
-        self.backend.load_hf_state_dict(tensors or {})
+        self.backend.load_checkpoint_tensors(tensors or {})
         if optimizer is not None:
             self.backend.load_optimizer_state(optimizer)
 

@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.common.auth import BearerAuth
 from miles.common.errors import ConfigError
@@ -92,7 +92,10 @@ async def run_rank0(settings: TrainerSettings, runner: RankRunner, backend: Trai
     events = EventLog(settings.events_kept)
     publisher = make_publisher(settings, metrics)
     store = CheckpointStore(
-        settings.checkpoint_dir, keep_last=settings.train.keep_last_checkpoints, source_model_dir=settings.model_path
+        settings.checkpoint_dir,
+        keep_last=settings.train.keep_last_checkpoints,
+        source_model_dir=settings.model_path,
+        adapter_config=_adapter_config(settings),
     )
     async with BufferClient(settings.buffer_address) as client:
         consumer = Consumer(client, settings.job_id, settings.resolved_consumer_id, settings.train.lease_s)
@@ -112,6 +115,15 @@ async def run_rank0(settings: TrainerSettings, runner: RankRunner, backend: Trai
             await publisher.close()
             await trainer.stop_workers()
             trainer.close()
+
+
+def _adapter_config(settings: TrainerSettings) -> dict[str, Any] | None:
+    """LoRA jobs: the PEFT adapter_config.json their checkpoints carry (None: full-weight checkpoints)."""
+    if settings.train.lora is None:
+        return None
+    from miles.trainer.backends.torch_lora import adapter_config_dict
+
+    return adapter_config_dict(settings.train.lora, settings.model_path)
 
 
 def run_job(settings: TrainerSettings) -> int:

@@ -238,6 +238,7 @@ class TrainerSettings(ServiceSettings):
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
         self._check_parallel_layout()
+        self._check_lora()
         problems = self.train.recipe_problems()
         if problems:
             raise ValueError("refused recipe: " + "; ".join(f"{field}: {why}" for field, why in problems))
@@ -259,6 +260,21 @@ class TrainerSettings(ServiceSettings):
         problems = check_world(ParallelSizes(sizes.tp_size, sizes.pp_size, sizes.ep_size), self.world_size)
         if problems:
             raise ValueError("megatron parallel layout: " + "; ".join(problems))
+
+    def _check_lora(self) -> None:
+        """LoRA (train.lora) is implemented by the torch backend, in one process, with `full` checkpoints (the
+        adapter and its optimizer state only); the model-dependent checks (target names) run when it loads."""
+        if self.train.lora is None:
+            return
+        if self.backend != "torch":
+            raise ValueError(
+                f"train.lora: LoRA is implemented by the torch backend only; the {self.backend} backend trains "
+                "every weight (use backend 'torch' or remove train.lora)"
+            )
+        if self.world_size > 1:
+            raise ValueError(f"train.lora: LoRA runs in a single trainer process (world_size is {self.world_size})")
+        if self.checkpoint_format != "full":
+            raise ValueError("train.lora: LoRA checkpoints hold the adapter only and need checkpoint_format 'full'")
 
     @property
     def resolved_consumer_id(self) -> str:

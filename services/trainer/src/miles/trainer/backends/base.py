@@ -137,6 +137,15 @@ class TrainBackend(abc.ABC):
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the trained weights by these (collective; the tensors are read on rank 0)."""
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights a `full` checkpoint stores (collective; meaningful on rank 0): hf_state_dict, or only the
+        trained adapter under PEFT names when the base is frozen (LoRA)."""
+        return self.hf_state_dict()
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what checkpoint_tensors returned (collective; the tensors are read on rank 0)."""
+        self.load_hf_state_dict(tensors)
+
     @abc.abstractmethod
     def optimizer_state(self) -> dict[str, Any]:
         """Optimizer and scheduler state (collective; meaningful on rank 0)."""
@@ -195,6 +204,8 @@ def make_backend(settings: TrainerSettings, train: TrainConfig | None = None) ->
 
         backend = TorchBackend.from_settings(settings, train)
     elif settings.backend == "megatron":
+        if train.lora is not None:
+            raise ConfigError("train.lora: LoRA is implemented by the torch backend only", field="train.lora")
         from miles.trainer.backends.megatron_backend import MegatronBackend
 
         backend = MegatronBackend.from_settings(settings, train)

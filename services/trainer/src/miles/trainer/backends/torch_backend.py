@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from miles.common.errors import ConfigError
 from miles.common.jobspec.trainer import TrainConfig
 from miles.model import CausalLM, Segment, block_logprobs, load_model, load_named_tensors, row_blocks
 from miles.model.moe import SparseMoeBlock
@@ -156,6 +157,13 @@ class TorchBackend(TrainBackend):
             routing=model_routing_shape(lm.config),
         )
         self.routing_replay = resolve_routing_replay(train, self.shape.routing)
+        self.lora = train.lora
+        if self.lora is not None:
+            if distributed:
+                raise ConfigError("train.lora runs in a single trainer process (world_size 1)", field="train.lora")
+            from miles.trainer.backends.torch_lora import apply_lora  # peft (and transformers): LoRA jobs only
+
+            apply_lora(lm, self.lora, seed=train.seed)
         if train.gradient_checkpointing:
             enable_layer_checkpointing(lm)
         self.policy = PackedPolicy(
@@ -228,6 +236,11 @@ class TorchBackend(TrainBackend):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """With LoRA: the merged weights (torch_lora.merged_hf_tensors), what the engines serve."""
+        if self.lora is not None:
+            from miles.trainer.backends.torch_lora import merged_hf_tensors
+
+            return merged_hf_tensors(self.policy.lm)
         if not self.distributed:
             return {name: p.detach().float().cpu().clone() for name, p in self.policy.lm.named_parameters()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -237,6 +250,8 @@ class TorchBackend(TrainBackend):
         return {name.removeprefix(_PREFIX): t.float() for name, t in full.items() if isinstance(t, torch.Tensor)}
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            raise ConfigError("a LoRA policy loads its adapter, not full weights (its base is model_path's)")
         if not self.distributed:
             load_named_tensors(self.policy.lm, tensors, require_all=True)
             return
@@ -244,6 +259,22 @@ class TorchBackend(TrainBackend):
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.policy, {_PREFIX + n: t for n, t in tensors.items()}, options=options)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """With LoRA only the adapter (PEFT names): the frozen base is model_path's."""
+        if self.lora is not None:
+            from miles.trainer.backends.torch_lora import adapter_tensors
+
+            return adapter_tensors(self.policy.lm)
+        return self.hf_state_dict()
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            from miles.trainer.backends.torch_lora import load_adapter_tensors
+
+            load_adapter_tensors(self.policy.lm, tensors)
+            return
+        self.load_hf_state_dict(tensors)
 
     def optimizer_state(self) -> dict[str, Any]:
         return full_optimizer_state(self.policy, self.optimizer, self.scheduler)
