@@ -96,6 +96,21 @@ async def test_a_correction_applied_twice_is_400_naming_the_fields(redis_url: st
         assert (await client.post("/v1/jobs", json={**body, "train": train})).status_code == 201
 
 
+async def test_lora_on_megatron_or_several_trainer_replicas_is_400_naming_train_lora(
+    redis_url: str, controller_kit: Any
+) -> None:
+    kit = controller_kit
+    async with kit.running(kit.make_settings(redis_url), kit.FakeBackend()) as client:
+        body = kit.job_spec_body()
+        train = {**body["train"], "lora": {"rank": 4}}
+        for trainer, said in (({"backend": "megatron"}, "megatron backend"), ({"replicas": 2}, "one trainer replica")):
+            resources = {**body["resources"], "trainer": trainer}
+            response = await client.post("/v1/jobs", json={**body, "train": train, "resources": resources})
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["field"] == "train.lora" and said in response.json()["error"]["message"]
+        assert (await client.post("/v1/jobs", json={**body, "train": train})).status_code == 201
+
+
 async def test_idempotency_key_replays_the_same_job_and_refuses_another_body(
     redis_url: str, controller_kit: Any
 ) -> None:

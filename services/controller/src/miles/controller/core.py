@@ -41,8 +41,8 @@ class JobService:
     async def submit(self, spec: JobSpec, *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Store a new PENDING job; returns (job, created). With an idempotency key already used for the same
         spec, returns that job and created=False."""
-        for field, why in spec.train.recipe_problems():  # semantic: pydantic accepted each field on its own
-            raise InvalidArgumentError(why, field=field)
+        for field, why in [*spec.train.recipe_problems(), *spec.placement_problems()]:  # semantic: pydantic
+            raise InvalidArgumentError(why, field=field)  # accepted each field on its own
         check_routing_replay(spec, await asyncio.to_thread(read_model_routing, spec.model.path))
         await self.supervisor.backend.check_spec(spec)
         now = time.time()

@@ -160,6 +160,20 @@ class JobSpec(_Section):
     resources: ResourcesSpec = ResourcesSpec()
     """Per-job pool sizes and node pools."""
 
+    def placement_problems(self) -> list[tuple[str, str]]:
+        """(field, why) of choices that are valid on their own but not on these resources (the controller answers
+        400 at submission): LoRA trains on one torch-backend trainer replica."""
+        if self.train.lora is None:
+            return []
+        trainer = self.resources.trainer
+        if trainer.backend != "torch":
+            why = f"train.lora needs the torch trainer backend; the {trainer.backend} backend does not train LoRA"
+            return [("train.lora", why)]
+        if trainer.replicas > 1:
+            why = f"train.lora trains on one trainer replica (multi-rank LoRA is not built); got {trainer.replicas}"
+            return [("train.lora", why)]
+        return []
+
     @field_validator("train")
     @classmethod
     def _job_has_an_end(cls, train: TrainConfig) -> TrainConfig:
