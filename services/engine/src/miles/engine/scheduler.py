@@ -4,20 +4,20 @@ Each loop turn runs the commands sent by the HTTP side (submit, abort, pause, we
 step: a pending weight update if its barrier is reached, else a prefill of newly admitted sequences, else one
 decode step of every running sequence (continuous batching: new sequences join between decode steps).
 
-Memory model (SGLang's): a token budget `max_total_tokens` shared by the radix cache and running sequences. A
-sequence is admitted when its uncached prompt tokens plus its remaining max_new_tokens fit, after evicting
-least-recently-used cache leaves if needed; its matched prefix is locked in the cache until it finishes. Once
-finished, its prompt + output except the last token is inserted into the cache (the last token never went
-through the model). Sequences admitted before a cache flush do not insert (their KV may predate new weights).
+Memory model (seq_pool.py, SGLang's): a token budget `max_total_tokens` shared by the radix cache and running
+sequences; `SeqPool` holds the waiting queue and the running set, admits sequences that fit and gives their KV
+back to the cache when they end.
 
 Pause modes: `abort` answers every in-flight sequence with an abort; `retract` moves running sequences back to
 the queue and frees their KV (re-prefilled on continue, cached_tokens not recounted); `in_place` just stops
-stepping. While paused, new sequences queue and wait. A weight update waits for the sequences that arrived
-before it to finish (new ones queue behind it) unless generation is paused, then it applies at once.
+stepping. While paused, new sequences queue and wait. A weight update (weight_updates.py) waits for the
+sequences that arrived before it to finish (new ones queue behind it) unless generation is paused, then it
+applies at once.
 
 Routed experts (MoE, `return_routed_experts`): a sequence that ends while holding KV (finished or aborted while
 running) reports positions [routed_experts_start_len, seqlen - 1), read from the runner before its KV is
-released; one aborted in the queue reports none, as SGLang's waiting-queue aborts carry none.
+released (SeqPool.routed_experts); one aborted in the queue reports none, as SGLang's waiting-queue aborts carry
+none.
 
 LoRA adapters (adapters.py): a sequence runs with its own adapter (`lora_id`, part of its cache namespace); one
 step batches at most `max_loras_per_batch` distinct adapters (the runner groups a step's sequences by adapter).
@@ -33,30 +33,21 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from miles.common.contracts.engine_control import ENGINE_PAUSE_MODES
 from miles.engine.adapters import AdapterSlots, keep_all_but
 from miles.engine.metrics import EngineMetrics
-from miles.engine.radix_cache import RadixCache, cached_tokens_limit
+from miles.engine.radix_cache import RadixCache
 from miles.engine.requests import FinishReason, LoadSnapshot, Sequence, SeqUpdate, TokenLogprobs
 from miles.engine.runner import ForwardItem, ForwardResult, Runner
+from miles.engine.seq_pool import SeqPool
 from miles.engine.stopping import finish_reason_after
 from miles.engine.tokenizer import TextTokenizer
+from miles.engine.weight_updates import PendingUpdate, WeightUpdates
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class _PendingUpdate:
-    prepared: Any
-    flush_cache: bool
-    weight_version: str | None
-    barrier: int
-    source: str
-    future: Future[str]
 
 
 class Scheduler:
@@ -78,20 +69,21 @@ class Scheduler:
         self._cache = cache
         self._tokenizer = tokenizer
         self._eos_ids = eos_token_ids
-        self.max_total_tokens = max_total_tokens
-        self._max_running = max_running_requests
-        self._max_prefill_tokens = max_prefill_tokens
-        self._weight_version = weight_version
+        self._weights = WeightUpdates(runner, metrics, weight_version)
         self._metrics = metrics
         self._adapters = AdapterSlots(max_loras_per_batch)
+        self._pool = SeqPool(
+            runner,
+            cache,
+            self._adapters,
+            max_total_tokens=max_total_tokens,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            metrics=metrics,
+        )
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []
-        self._pending_updates: list[_PendingUpdate] = []
-        self._reserved_tokens = 0
         self._order = itertools.count()
-        self._epoch = 0
         self._paused: str | None = None
         self._last_hit_rate = 0.0
         self._last_throughput = 0.0
@@ -100,8 +92,12 @@ class Scheduler:
 
     # ---- called from other threads -------------------------------------------------------------------------
     @property
+    def max_total_tokens(self) -> int:
+        return self._pool.max_total_tokens
+
+    @property
     def weight_version(self) -> str:
-        return self._weight_version
+        return self._weights.version
 
     @property
     def paused(self) -> str | None:
@@ -149,7 +145,7 @@ class Scheduler:
             if abort_all:
                 self._abort_matching(lambda s: True)
             barrier = next(self._order)
-            self._pending_updates.append(_PendingUpdate(prepared, flush_cache, weight_version, barrier, source, result))
+            self._weights.pending.append(PendingUpdate(prepared, flush_cache, weight_version, barrier, source, result))
 
         self._call(command)
         return result
@@ -158,7 +154,7 @@ class Scheduler:
         def command() -> None:
             if abort_all:
                 self._abort_matching(lambda s: True)
-            self._weight_version = version
+            self._weights.version = version
 
         return self._call(command)
 
@@ -185,7 +181,7 @@ class Scheduler:
     def weights_snapshot(self) -> Future[tuple[str, Any]]:
         """The served weight version and the runner's copy of the weights, taken together between steps (no
         update or relabel can fall between the two reads)."""
-        return self._call(lambda: (self._weight_version, self._runner.snapshot_weights()))
+        return self._call(lambda: (self._weights.version, self._runner.snapshot_weights()))
 
     def flush_cache(self) -> Future[bool]:
         """Empty the prefix cache if no sequence holds KV, i.e. none is running. SGLang also refuses while
@@ -194,15 +190,15 @@ class Scheduler:
         return self._call(self._flush_if_idle)
 
     def snapshot(self) -> LoadSnapshot:
-        cache = self._cache
+        cache, pool = self._cache, self._pool
         return LoadSnapshot(
-            num_running_reqs=len(self._running),
-            num_waiting_reqs=len(self._waiting),
-            num_waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in list(self._waiting)),
+            num_running_reqs=len(pool.running),
+            num_waiting_reqs=len(pool.waiting),
+            num_waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in list(pool.waiting)),
             # As SGLang counts it: KV held by running requests and locked prefixes; the evictable part of the
             # prefix cache is free to reuse, so load balancers must not read it as usage.
-            num_used_tokens=self._used_tokens() - cache.num_evictable_tokens,
-            max_total_num_tokens=self.max_total_tokens,
+            num_used_tokens=pool.used_tokens() - cache.num_evictable_tokens,
+            max_total_num_tokens=pool.max_total_tokens,
             num_cached_tokens=cache.num_tokens,
             cache_hit_rate=self._last_hit_rate,
             gen_throughput=self._last_throughput,
@@ -236,16 +232,17 @@ class Scheduler:
     def _step(self) -> bool:
         if self._adapters.removals:
             self._drop_unused_adapters()
-        if self._pending_updates and (self._paused is not None or self._update_barrier_reached()):
-            self._apply_update(self._pending_updates.pop(0))
+        update = self._weights.take_due(self._pool, paused=self._paused is not None)
+        if update is not None:
+            self._weights.apply(update, self._pool.flush)
             return True
         if self._paused is not None:
             return False
-        admitted = self._admit()
+        admitted = self._pool.admit(self._weights.barrier)
         if admitted:
             self._prefill(admitted)
             return True
-        if self._running:
+        if self._pool.running:
             self._decode()
             return True
         return False
@@ -256,52 +253,7 @@ class Scheduler:
             return
         seq.arrival_order = next(self._order)
         seq.state = "waiting"
-        self._waiting.append(seq)
-
-    def _used_tokens(self) -> int:
-        cache = self._cache
-        return cache.num_tokens + cache.num_detached_tokens + self._reserved_tokens
-
-    def _available_tokens(self) -> int:
-        return self.max_total_tokens - self._used_tokens()
-
-    def _admit(self) -> list[tuple[Sequence, int]]:
-        admitted: list[tuple[Sequence, int]] = []
-        prefill_budget = self._max_prefill_tokens
-        while self._waiting and len(self._running) + len(admitted) < self._max_running:
-            seq = self._waiting[0]
-            if self._pending_updates and seq.arrival_order > self._pending_updates[0].barrier:
-                break
-            batch_adapters = [s.lora_id for s in self._running] + [s.lora_id for s, _ in admitted]
-            if not self._adapters.fits(batch_adapters, seq.lora_id):
-                break
-            tokens = seq.all_ids
-            first = seq.cached_tokens is None
-            options = seq.logprobs
-            limit = cached_tokens_limit(len(tokens), first and options.return_logprob, options.logprob_start_len)
-            match = self._cache.match(tokens, limit, seq.namespace)
-            num_new = len(tokens) - match.length
-            if admitted and num_new > prefill_budget:
-                break
-            self._cache.lock(match.node)
-            need = num_new + seq.remaining_new_tokens
-            if need > self._available_tokens():
-                self._cache.evict(need - self._available_tokens())
-                if need > self._available_tokens():
-                    self._cache.unlock(match.node)
-                    break
-            seq.kv = self._runner.new_kv(len(tokens) + seq.remaining_new_tokens, match.kv_blocks)
-            seq.prefix_node, seq.reserved_tokens, seq.cache_epoch = match.node, need, self._epoch
-            self._reserved_tokens += need
-            if first:
-                seq.cached_tokens = match.length
-            if self._metrics is not None:
-                self._metrics.observe_admission(seq, time.monotonic())
-            seq.state = "running"
-            self._waiting.popleft()
-            admitted.append((seq, match.length))
-            prefill_budget -= num_new
-        return admitted
+        self._pool.waiting.append(seq)
 
     def _prefill(self, admitted: list[tuple[Sequence, int]]) -> None:
         items = []
@@ -310,7 +262,7 @@ class Scheduler:
             wants_inputs = not seq.prefilled and seq.logprobs.return_logprob and 0 <= start < len(seq.prompt_ids)
             sample = seq.remaining_new_tokens > 0
             items.append(ForwardItem(seq, seq.all_ids[matched:], matched, sample, start if wants_inputs else None))
-            self._running.append(seq)
+            self._pool.running.append(seq)
         total = sum(len(s.all_ids) for s, _ in admitted)
         self._last_hit_rate = sum(m for _, m in admitted) / total if total else 0.0
         results = self._forward("prefill", items)
@@ -333,7 +285,7 @@ class Scheduler:
     def _decode(self) -> None:
         items = [
             ForwardItem(seq, [seq.output_ids[-1]], len(seq.prompt_ids) + len(seq.output_ids) - 1, True)
-            for seq in self._running
+            for seq in self._pool.running
         ]
         started = time.monotonic()
         results = self._forward("decode", items)
@@ -375,7 +327,7 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason, cached, input_logprobs, new_entry=entry)
             return
-        seq.emit(SeqUpdate((entry.token_id,), (entry,), cached, input_logprobs, None, self._weight_version))
+        seq.emit(SeqUpdate((entry.token_id,), (entry,), cached, input_logprobs, None, self._weights.version))
 
     def _finish(
         self,
@@ -389,98 +341,44 @@ class Scheduler:
     ) -> None:
         routed_experts = None
         if seq.state == "running":
-            routed_experts = self._routed_experts(seq)
-            self._release(seq, insert=insert)
+            routed_experts = self._pool.routed_experts(seq)
+            self._pool.release(seq, insert=insert)
         elif seq.state == "waiting":
-            self._waiting.remove(seq)
+            self._pool.waiting.remove(seq)
         seq.state = "finished"
         new_ids = () if new_entry is None else (new_entry.token_id,)
         new_entries = () if new_entry is None else (new_entry,)
-        update = SeqUpdate(new_ids, new_entries, cached, input_logprobs, reason, self._weight_version, routed_experts)
+        update = SeqUpdate(new_ids, new_entries, cached, input_logprobs, reason, self._weights.version, routed_experts)
         seq.emit(update)
         if self._metrics is not None:
             self._metrics.observe_finish(seq, reason, time.monotonic())
 
-    def _routed_experts(self, seq: Sequence) -> bytes | None:
-        """SGLang's rows [start_len, seqlen - 1): every fed position (the last sampled token never is); no rows when
-        start_len >= seqlen - 1 (e.g. max_new_tokens 0 with start_len = prompt length)."""
-        start = seq.routed_experts_start_len
-        if start is None:
-            return None
-        return self._runner.routed_experts(seq, start, max(start, len(seq.prompt_ids) + len(seq.output_ids) - 1))
-
-    def _release(self, seq: Sequence, *, insert: bool) -> None:
-        """Give back a running sequence's KV: insert it into the cache (same epoch only), unlock, unreserve."""
-        if insert and seq.cache_epoch == self._epoch and seq.prefilled:
-            num_committed = len(seq.prompt_ids) + max(len(seq.output_ids) - 1, 0)
-            kv = seq.kv
-            self._cache.insert(
-                seq.all_ids[:num_committed], lambda s, e: self._runner.export_kv(kv, s, e), seq.namespace
-            )
-        self._cache.unlock(seq.prefix_node)
-        self._reserved_tokens -= seq.reserved_tokens
-        seq.prefix_node, seq.reserved_tokens, seq.kv = None, 0, None
-        self._running.remove(seq)
-
     def _abort_matching(self, predicate: Callable[[Sequence], bool]) -> int:
-        targets = [s for s in (*self._waiting, *self._running) if predicate(s)]
+        targets = [s for s in (*self._pool.waiting, *self._pool.running) if predicate(s)]
         for seq in targets:
             self._finish(seq, FinishReason.abort(waiting=seq.state == "waiting"))
         return len(targets)
 
     def _pause(self, mode: str) -> int:
-        count = len(self._running) + len(self._waiting)
+        count = len(self._pool.running) + len(self._pool.waiting)
         if mode == "abort":
             self._abort_matching(lambda s: True)
         elif mode == "retract":
-            retracted = list(self._running)
-            for seq in retracted:
-                self._release(seq, insert=False)
-                seq.state = "waiting"
-                seq.num_retractions += 1
-                if self._metrics is not None:
-                    self._metrics.retractions.inc()
-            self._waiting.extendleft(reversed(retracted))
+            self._pool.retract()
         self._paused = mode
         return count
 
-    def _update_barrier_reached(self) -> bool:
-        barrier = self._pending_updates[0].barrier
-        return not self._running and all(s.arrival_order > barrier for s in self._waiting)
-
-    def _apply_update(self, update: _PendingUpdate) -> None:
-        started = time.monotonic()
-        try:
-            self._runner.apply_weights(update.prepared)
-        except Exception as exc:
-            log.exception("applying weights failed", extra={"source": update.source})
-            if self._metrics is not None:
-                self._metrics.observe_weight_update(update.source, time.monotonic() - started, ok=False)
-            update.future.set_exception(exc)
-            return
-        if update.flush_cache:
-            self._flush()
-        if update.weight_version is not None:
-            self._weight_version = update.weight_version
-        if self._metrics is not None:
-            self._metrics.observe_weight_update(update.source, time.monotonic() - started, ok=True)
-        update.future.set_result(self._weight_version)
-
     def _drop_unused_adapters(self) -> None:
-        in_use = {s.lora_id for s in (*self._waiting, *self._running)}
+        in_use = {s.lora_id for s in (*self._pool.waiting, *self._pool.running)}
         for lora_id, future in self._adapters.due_removals(in_use):
             self._runner.remove_adapter(lora_id)
             self._cache.drop_namespaces(keep_all_but(lora_id))
             future.set_result(None)
 
-    def _flush(self) -> None:
-        self._cache.flush()
-        self._epoch += 1
-
     def _flush_if_idle(self) -> bool:
-        if self._running:
+        if self._pool.running:
             return False
-        self._flush()
+        self._pool.flush()
         return True
 
     def _publish_gauges(self) -> None:
