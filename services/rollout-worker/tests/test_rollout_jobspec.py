@@ -1,5 +1,5 @@
 """The rollout section of a job spec and the worker's settings: what is accepted, what is refused, and that the
-three example job specs validate."""
+example job specs validate."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 MINIMAL: dict[str, Any] = {"dataset": {"path": "d.jsonl"}, "agent": {"function": "pkg.mod:agent"}}
 
 
-@pytest.mark.parametrize("example", ["math_single_turn", "calculator_tool", "terminal_task"])
+@pytest.mark.parametrize("example", ["math_single_turn", "calculator_tool", "terminal_task", "solver_verifier"])
 def test_example_job_specs_validate(example: str) -> None:
     section = yaml.safe_load((REPO_ROOT / "examples" / example / "job.yaml").read_text())["rollout"]
     spec = RolloutSpec.model_validate(section)

@@ -2,8 +2,9 @@
 per-job statistics while it runs, unregister it when it is deleted.
 
 - session server: `PUT /v1/jobs/{id}/config` (model path, TITO family, chat template kwargs, the router pool =
-  the job id, `record_routing` = `train.routing_replay` when set) with the operator token; it answers the config it
-  stored, whose `record_routing` (resolved from the model when unset) `register` returns for the job's engines.
+  the job id, `record_routing` = `train.routing_replay` when set, `roles` and `tree_sessions` from the rollout
+  section when set) with the operator token; it answers the config it stored, whose `record_routing` (resolved
+  from the model when unset) `register` returns for the job's engines.
   `DELETE` of it on job deletion.
 - buffer: gRPC `ConfigureJob` (the job's queue, created before any worker pushes) and `DeleteJob`.
 - router: `GET /admin/v1/stats?pool=<job id>` for the job's prefix hit rate (counters of the replica that answers:
@@ -34,6 +35,17 @@ from miles.proto.buffer.v1 import buffer_pb2, buffer_pb2_grpc
 def engine_pool_of(job_id: str) -> str:
     """The router pool of a job's engines (the same name on every backend)."""
     return job_id
+
+
+def _session_roles(spec: JobSpec) -> dict[str, Any]:
+    """The multi-agent fields of the session server's job config, only where the spec sets them: a job without
+    roles or tree sessions registers the same body as before, so a session server older than them accepts it."""
+    fields: dict[str, Any] = {}
+    if spec.rollout.roles:
+        fields["roles"] = list(spec.rollout.roles)
+    if spec.rollout.tree_sessions:
+        fields["tree_sessions"] = True
+    return fields
 
 
 class SharedServicesClient:
@@ -73,6 +85,7 @@ class SharedServicesClient:
                 "engine_pool": engine_pool_of(job_id),
                 "chat_template_kwargs": spec.model.chat_template_kwargs,
                 **session_record_routing(spec),
+                **_session_roles(spec),
             }
             stored = await self._session_call("PUT", job_id, body)
             resolved = stored.get("record_routing")

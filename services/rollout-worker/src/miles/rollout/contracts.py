@@ -9,7 +9,9 @@ Agent (`rollout.agent.function`, a dotted path `module:function`):
 - `prompt`: the dataset row, plus `messages` (the row's prompt as OpenAI messages).
 - `request_kwargs`: the job's sampling parameters in OpenAI names (`temperature`, `max_tokens`, ...).
 - `metadata`: `api_key`, `job_id`, `group_id`, `episode_id`, `sample_index`, `prompt_index`, `epoch`,
-  `attempt`, `label`, `max_seq_len`, `agent_config`, `sandbox_url` / `sandbox_address` (when configured).
+  `attempt`, `label`, `max_seq_len`, `agent_config`, `sandbox_url` / `sandbox_address` (when configured), and
+  with `rollout.roles` `roles`: `{role: {"base_url", "api_key", "session_id"}}`, one session per role (`base_url`
+  and `api_key` are then the first role's).
 - returns (all keys optional): `reward` (float), `reward_info` (dict), `turn_rewards` (one float per model call,
   put on the last token of that call's span in `token_rewards`), `metadata` (dict merged into every sample's
   metadata), `answer` (str: the final answer for the built-in verifiers; default: the last assistant message).
@@ -17,10 +19,13 @@ Agent (`rollout.agent.function`, a dotted path `module:function`):
 
 Reward (`rollout.reward` with `type: function`):
 
-    async def reward(prompt: dict, samples: list[miles.common.v1.Sample], agent_result: dict) -> float | list[float]
+    async def reward(prompt: dict, samples: list[miles.common.v1.Sample], agent_result: dict)
+        -> float | list[float] | dict[str, float]
 
 called once per episode after its samples are assembled (only when one is trainable); a list gives one reward
-per sample (per-turn mode), a float the same reward to all. Neither contract imports anything of miles.
+per sample (per-turn mode), a float the same reward to all, `{role: reward}` each role's samples their role's
+reward (`rollout.roles`: the samples of every role, each with `metadata["role"]`). Neither contract imports
+anything of miles.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from miles.proto.common.v1 import common_pb2
 from miles.rollout.errors import UserCodeLoadError
 
 AgentFn = Callable[[str, dict[str, Any], dict[str, Any], dict[str, Any]], Awaitable[dict[str, Any] | None]]
-RewardFn = Callable[[dict[str, Any], list[common_pb2.Sample], dict[str, Any]], Awaitable[float | list[float]]]
+RewardFn = Callable[
+    [dict[str, Any], list[common_pb2.Sample], dict[str, Any]], Awaitable[float | list[float] | dict[str, float]]
+]
 
 
 def _is_async_callable(value: object) -> bool:

@@ -1,4 +1,10 @@
-"""One episode: session -> agent (with a timeout) -> samples -> partial-rollout policy -> score -> delete.
+"""One episode: session(s) -> agent (with a timeout) -> samples -> partial-rollout policy -> score -> delete.
+
+A job with `rollout.roles` (multi-agent episodes) opens one session per role for each episode (same episode id,
+each created with its role), hands them to the agent as `metadata["roles"]`, and collects, scores and deletes
+them together: the episode is one unit, so its samples (every role's, each with `metadata.role`) share one
+status and reason, and a role whose session has no trainable sample (`no_model_call`, `all_truncated`) ends the
+whole episode ABORTED. Without roles there is one session without a role, as this table describes.
 
 Every failure ends as a sample status with a reason, never as an exception out of `EpisodeRunner.run`:
 
@@ -17,12 +23,13 @@ Every failure ends as a sample status with a reason, never as an exception out o
 | session server unreachable for samples          | ABORTED   | samples_unavailable      |
 | several weight versions, policy regenerate, out of attempts | ABORTED | version_span      |
 | the reward function raised                      | ABORTED   | reward_error             |
+| its rewards per role miss or add a role         | ABORTED   | bad_reward               |
 | the session could not be assembled (422)        | FAILED    | sample_assembly_failed   |
 | its worker died (counted by the worker that reclaims the prompt) | ABORTED | worker_lost |
 
-The session is deleted in every case (retried within the budget; its TTL is the last resort), also when the
-episode is cancelled. Samples of a failed agent keep whatever the session recorded (for inspection), marked
-ABORTED: they are never trained on.
+Every session is deleted in every case (retried within the budget; its TTL is the last resort), also when the
+episode is cancelled; each is recorded in the ledger while it lives. Samples of a failed agent keep whatever the
+session recorded (for inspection), marked ABORTED: they are never trained on.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -38,12 +46,15 @@ from typing import Any
 from miles.common.errors import MilesError
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.proto.common.v1 import common_pb2
+from miles.proto.session.v1 import session_pb2
+from miles.rollout import role_sessions
 from miles.rollout import samples as sample_ops
 from miles.rollout.contracts import AgentFn, AgentResult, parse_agent_result
-from miles.rollout.errors import EpisodeAbortedError, SampleAssemblyFailedError
+from miles.rollout.errors import BadRewardError, EpisodeAbortedError, SampleAssemblyFailedError
 from miles.rollout.ledger import SessionLedger
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.rewards import EpisodeToScore, Scorer
+from miles.rollout.role_sessions import RoleSession, SessionCleaner
 from miles.rollout.sessions import SessionClient, SessionHandle
 
 log = logging.getLogger(__name__)
@@ -116,7 +127,9 @@ class EpisodeRunner:
         self.worker_id = worker_id
         self.agent_extra_metadata = dict(agent_extra_metadata or {})
         self.ledger = ledger
-        self._background: set[asyncio.Task[bool]] = set()
+        self.roles: tuple[str, ...] = tuple(spec.roles) or ("",)
+        """The roles of each episode's sessions, in the spec's order; ("",): one session without a role."""
+        self.cleaner = SessionCleaner(sessions, ledger, metrics)
 
     async def run(self, task: EpisodeTask) -> EpisodeOutcome:
         start_s = time.monotonic()
@@ -141,42 +154,42 @@ class EpisodeRunner:
 
     async def drain(self) -> None:
         """Waits for session deletions still running in the background (after cancelled episodes)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.cleaner.drain()
 
     def _attempt_episode_id(self, task: EpisodeTask, attempt: int) -> str:
         return task.episode_id if attempt == 0 else f"{task.episode_id}/attempt-{attempt}"
 
     async def _attempt(self, task: EpisodeTask, attempt: int) -> _Attempt:
         episode_id = self._attempt_episode_id(task, attempt)
-        ids = {"job_id": task.job_id, "group_id": task.group_id, "episode_id": episode_id}
+        opened: list[RoleSession] = []
         try:
-            handle = await self.sessions.create(
-                job_id=task.job_id, episode_id=episode_id, ttl_s=self.spec.resolved_session_ttl_s, metadata=ids
-            )
-        except MilesError as exc:
-            sample = sample_ops.placeholder(episode_id, task.group_id)
-            sample_ops.mark([sample], sample_ops.ABORTED, "session_unavailable", exc.message)
-            return _Attempt([sample], "session_unavailable")
-        try:
-            if self.ledger is not None:
-                await self.ledger.record(task.seq, handle, self.spec.resolved_session_ttl_s)
-            return await self._in_session(task, attempt, episode_id, handle)
+            try:
+                await role_sessions.open_role_sessions(
+                    self.sessions,
+                    self.ledger,
+                    self.roles,
+                    job_id=task.job_id,
+                    group_id=task.group_id,
+                    episode_id=episode_id,
+                    seq=task.seq,
+                    ttl_s=self.spec.resolved_session_ttl_s,
+                    opened=opened,
+                    on_abandoned=self.cleaner.delete_when_created,
+                )
+            except MilesError as exc:
+                return self._failed(task, episode_id, sample_ops.ABORTED, "session_unavailable", exc.message)
+            return await self._in_session(task, attempt, episode_id, opened)
         finally:
-            deletion = asyncio.ensure_future(self._delete(handle, task.seq))
-            self._background.add(deletion)
-            deletion.add_done_callback(self._background.discard)
-            await asyncio.shield(deletion)
+            if opened:
+                await self.cleaner.delete_all(opened, task.seq)
 
-    async def _delete(self, handle: SessionHandle, seq: int | None) -> bool:
-        try:
-            await self.sessions.delete(handle)
-        except MilesError:
-            self.metrics.session_delete_failures.inc()
-            return False
-        if self.ledger is not None and seq is not None:
-            await self.ledger.forget(seq, handle.session_id)
-        return True
+    def _failed(
+        self, task: EpisodeTask, episode_id: str, status: common_pb2.SampleStatus, reason: str, message: str
+    ) -> _Attempt:
+        """The attempt's result when the session server gave no samples: a placeholder per role, marked."""
+        samples = role_sessions.placeholders(self.roles, episode_id, task.group_id)
+        sample_ops.mark(samples, status, reason, message)
+        return _Attempt(samples, reason)
 
     async def reap_orphans(self, seq: int) -> int:
         """Deletes the sessions a dead worker left for seq (see ledger.py); returns how many were deleted.
@@ -187,24 +200,30 @@ class EpisodeRunner:
             return 0
         orphans = await self.ledger.take_orphans(seq)
         if orphans:
-            self.metrics.episodes.labels(status="ABORTED", reason=WORKER_LOST).inc(len(orphans))
+            # An episode holds a session per role. The ledger does not say which session is whose, so an episode
+            # the worker died in while it created its sessions (a few ms) can make this one short.
+            num_episodes = math.ceil(len(orphans) / len(self.roles))
+            self.metrics.episodes.labels(status="ABORTED", reason=WORKER_LOST).inc(num_episodes)
             log.warning(
                 "episodes of a dead worker aborted",
-                extra={"seq": seq, "num_episodes": len(orphans), "reason": WORKER_LOST},
+                extra={"seq": seq, "num_episodes": num_episodes, "reason": WORKER_LOST},
             )
         deleted = 0
         for handle in orphans:
-            deleted += await self._delete(handle, None)
+            deleted += await self.cleaner.delete(handle, None)
         self.metrics.orphan_sessions_deleted.labels(cause="reclaim").inc(deleted)
         return deleted
 
     def _agent_metadata(
-        self, task: EpisodeTask, attempt: int, episode_id: str, handle: SessionHandle
+        self, task: EpisodeTask, attempt: int, episode_id: str, opened: list[RoleSession]
     ) -> dict[str, Any]:
+        first = opened[0].handle  # an agent unaware of roles keeps working on the first role's session
+        roles = role_sessions.agent_roles(opened)
         return {
             **self.agent_extra_metadata,
-            "api_key": handle.token,
-            "session_id": handle.session_id,
+            **({"roles": roles} if roles else {}),
+            "api_key": first.token,
+            "session_id": first.session_id,
             "job_id": task.job_id,
             "group_id": task.group_id,
             "episode_id": episode_id,
@@ -240,9 +259,45 @@ class EpisodeRunner:
         except ValueError as exc:
             return AgentResult(), f"invalid agent result: {exc}", "agent_error"
 
-    async def _in_session(self, task: EpisodeTask, attempt: int, episode_id: str, handle: SessionHandle) -> _Attempt:
-        metadata = self._agent_metadata(task, attempt, episode_id, handle)
-        agent_result, error, agent_reason = await self._run_agent(task, metadata, handle.base_url)
+    async def _in_session(
+        self, task: EpisodeTask, attempt: int, episode_id: str, opened: list[RoleSession]
+    ) -> _Attempt:
+        metadata = self._agent_metadata(task, attempt, episode_id, opened)
+        agent_result, error, agent_reason = await self._run_agent(task, metadata, opened[0].handle.base_url)
+        collected = await self._collect(task, attempt, episode_id, opened)
+        if isinstance(collected, _Attempt):
+            return collected
+        samples: list[common_pb2.Sample] = []
+        for role, session_samples in collected:
+            role_samples = list(session_samples.samples)
+            sample_ops.update_metadata(role_samples, agent_result.metadata)
+            if role:  # after the agent's metadata, which must not relabel a sample's role
+                sample_ops.label_role(role_samples, role, episode_id)
+            samples += role_samples
+        if any(sample.metadata["tito_num_critical"] for sample in samples if "tito_num_critical" in sample.metadata):
+            self.metrics.tito_critical_episodes.inc()
+        if error is not None:
+            sample_ops.mark(samples, sample_ops.ABORTED, agent_reason, error)
+            return _Attempt(samples, agent_reason, agent_failed=True)
+        empty = [(role, got.empty_reason) for role, got in collected if got.empty_reason]
+        if empty:
+            role, empty_reason = empty[0]
+            reason = "no_model_call" if empty_reason == "no_records" else empty_reason
+            why = f"role {role!r} has no trainable sample ({reason}): the episode needs every role" if role else None
+            sample_ops.mark(samples, sample_ops.ABORTED, reason, why)
+            return _Attempt(samples, reason, agent_result)
+        reason = "truncated" if any(s.status == sample_ops.TRUNCATED for s in samples) else "ok"
+        sample_ops.update_metadata(samples, {"status_reason": reason})
+        result = _Attempt(samples, reason, agent_result)
+        if self._apply_partial_rollout(result):
+            return result
+        await self._score(task, opened[0].handle, result)
+        return result
+
+    async def _collect(
+        self, task: EpisodeTask, attempt: int, episode_id: str, opened: list[RoleSession]
+    ) -> list[tuple[str, session_pb2.SessionSamples]] | _Attempt:
+        """Every session's samples in role order, or the failed attempt when one of them could not be had."""
         sample_metadata = {
             "job_id": task.job_id,
             "sample_index": task.sample_index,
@@ -252,39 +307,18 @@ class EpisodeRunner:
             "worker_id": self.worker_id,
         }
         try:
-            session_samples = await self.sessions.samples(
-                handle,
+            return await role_sessions.collect_samples(
+                self.sessions,
+                opened,
                 mode=self.spec.sample_mode,
                 max_seq_len=self.spec.max_seq_len,
                 group_id=task.group_id,
                 metadata=sample_ops.json_safe(sample_metadata),
             )
         except SampleAssemblyFailedError as exc:
-            sample = sample_ops.placeholder(episode_id, task.group_id)
-            sample_ops.mark([sample], sample_ops.FAILED, "sample_assembly_failed", exc.message)
-            return _Attempt([sample], "sample_assembly_failed")
+            return self._failed(task, episode_id, sample_ops.FAILED, "sample_assembly_failed", exc.message)
         except MilesError as exc:
-            sample = sample_ops.placeholder(episode_id, task.group_id)
-            sample_ops.mark([sample], sample_ops.ABORTED, "samples_unavailable", exc.message)
-            return _Attempt([sample], "samples_unavailable")
-        samples = list(session_samples.samples)
-        sample_ops.update_metadata(samples, agent_result.metadata)
-        if any(sample.metadata["tito_num_critical"] for sample in samples if "tito_num_critical" in sample.metadata):
-            self.metrics.tito_critical_episodes.inc()
-        if error is not None:
-            sample_ops.mark(samples, sample_ops.ABORTED, agent_reason, error)
-            return _Attempt(samples, agent_reason, agent_failed=True)
-        if session_samples.empty_reason:
-            reason = "no_model_call" if session_samples.empty_reason == "no_records" else session_samples.empty_reason
-            sample_ops.mark(samples, sample_ops.ABORTED, reason)
-            return _Attempt(samples, reason, agent_result)
-        reason = "truncated" if any(s.status == sample_ops.TRUNCATED for s in samples) else "ok"
-        sample_ops.update_metadata(samples, {"status_reason": reason})
-        result = _Attempt(samples, reason, agent_result)
-        if self._apply_partial_rollout(result):
-            return result
-        await self._score(task, handle, result)
-        return result
+            return self._failed(task, episode_id, sample_ops.ABORTED, "samples_unavailable", exc.message)
 
     def _apply_partial_rollout(self, result: _Attempt) -> bool:
         """Applies keep / keep_per_span; True when the attempt must be regenerated (scoring skipped)."""
@@ -320,16 +354,21 @@ class EpisodeRunner:
             samples=trainable,
             agent_result=result.agent_result,
             final_message_text=lambda: self._final_message_text(handle),
+            roles=tuple(self.spec.roles),
         )
         try:
             rewards, info = await self.scorer.score(episode)
+        except BadRewardError as exc:
+            sample_ops.mark(result.samples, sample_ops.ABORTED, "bad_reward", str(exc))
+            result.reason = "bad_reward"
+            return
         except Exception as exc:  # reward functions are user code (and verifiers call the sandbox)
             sample_ops.mark(result.samples, sample_ops.ABORTED, "reward_error", _error_text(exc))
             result.reason = "reward_error"
             return
         for sample, reward in zip(trainable, rewards, strict=True):
             sample.reward = reward
-            self.metrics.sample_reward.observe(reward)
+            self.metrics.sample_reward.labels(role=sample_ops.role_of(sample)).observe(reward)
         turn_rewards = result.agent_result.turn_rewards
         if turn_rewards is not None:
             if self.spec.sample_mode == "per_turn" and len(turn_rewards) == len(trainable):

@@ -46,6 +46,11 @@ class EpisodeAbortedError(Exception):
         self.message = message
 
 
+class BadRewardError(ValueError):
+    """A reward function's per-role rewards do not fit the job's roles (a role missing, unknown, or declared by no
+    job): the episode ends ABORTED with reason `bad_reward`."""
+
+
 class SessionServerUnavailableError(UnavailableError):
     """The session server stayed unreachable (or answered 5xx/429) for the whole retry budget."""
 

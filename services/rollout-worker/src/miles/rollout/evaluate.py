@@ -7,7 +7,7 @@ runs, so an evaluated episode is exactly a training episode minus the sampling n
 buffer. Used by `miles eval` (and `make run`) to compare a model before and after training.
 
 Limits: one pass over at most `limit` prompts, `concurrency` at a time; an episode that fails (agent error,
-timeout) scores 0 and is counted by its reason.
+timeout) scores 0 and is counted by its reason. With `rollout.roles` a prompt's reward is its first role's.
 """
 
 from __future__ import annotations

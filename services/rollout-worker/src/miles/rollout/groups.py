@@ -21,15 +21,25 @@ def group_id_for(job_id: str, epoch: int, prompt_index: int) -> str:
 
 
 def filter_reason(samples: Sequence[common_pb2.Sample], filters: GroupFilterSpec) -> str | None:
-    """Why the group must not be pushed (`all_aborted`, `too_few_valid`, `equal_rewards`), or None."""
+    """Why the group must not be pushed (`all_aborted`, `too_few_valid`, `equal_rewards`: within each role), or
+    None."""
     trainable = [sample for sample in samples if sample_ops.is_trainable(sample)]
     if not trainable:
         return "all_aborted"
     if len(trainable) < max(1, filters.min_valid_samples):
         return "too_few_valid"
-    if filters.drop_equal_rewards and len({sample.reward for sample in trainable}) == 1:
+    if filters.drop_equal_rewards and _equal_within_each_role(trainable):
         return "equal_rewards"
     return None
+
+
+def _equal_within_each_role(trainable: Sequence[common_pb2.Sample]) -> bool:
+    """Whether every role's trainable rewards are one value (no roles: all of them). The trainer normalises
+    advantages per (group, role), so a solver always right and a verifier always wrong carry no signal either."""
+    rewards_by_role: dict[str, set[float]] = {}
+    for sample in trainable:
+        rewards_by_role.setdefault(sample_ops.role_of(sample), set()).add(sample.reward)
+    return all(len(rewards) == 1 for rewards in rewards_by_role.values())
 
 
 def build_group(

@@ -1,6 +1,7 @@
 """Which sessions the in-flight episodes of a prompt seq hold, in Redis — so none outlives a killed worker.
 
-An episode records its session here right after creating it and forgets it once deleted. A worker that
+An episode records its session here right after creating it and forgets it once deleted (a multi-agent
+episode: each of its sessions, one per role). A worker that
 reclaims a seq (its previous holder died, e.g. kill -9) takes the sessions that holder left behind and deletes
 them at once instead of waiting for their TTL. Keys: `<prefix>:{<job>}:sessions:<seq>` (hash session id ->
 session token, expiring with the sessions). The token is stored because a session server without an operator

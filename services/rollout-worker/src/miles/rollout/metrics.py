@@ -1,4 +1,7 @@
-"""The rollout worker's Prometheus metrics (`miles_rollout_*`); labels are bounded enums, never ids."""
+"""The rollout worker's Prometheus metrics (`miles_rollout_*`); labels are bounded enums, never ids.
+
+`role` is the sample's role in a multi-agent episode ("" without roles, which Prometheus reads as no label): the
+job declares at most 8 (`rollout.roles`), so it is bounded too."""
 
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ class RolloutMetrics:
         self.groups = metrics.counter(
             "groups", "Finished groups by outcome (queued, duplicate, filtered_*, rejected_all_aborted)", ["outcome"]
         )
-        self.samples = metrics.counter("samples", "Samples pushed to the buffer, by status", ["status"])
+        self.samples = metrics.counter(
+            "samples", "Samples pushed to the buffer, by status and role", ["status", "role"]
+        )
         self.response_tokens = metrics.counter("response_tokens", "Response tokens of pushed trainable samples")
         self.sample_reward = metrics.histogram(
-            "sample_reward", "Reward of every scored trainable sample", buckets=REWARD_BUCKETS
+            "sample_reward", "Reward of every scored trainable sample, by role", ["role"], buckets=REWARD_BUCKETS
         )
         self.push_retries = metrics.counter(
             "push_retries",

@@ -103,7 +103,8 @@ class GroupPusher:
         self.metrics.groups.labels(outcome=outcome).inc()
         if outcome == "queued":
             for sample in group.samples:
-                self.metrics.samples.labels(status=sample_ops.status_name(sample.status)).inc()
+                status = sample_ops.status_name(sample.status)
+                self.metrics.samples.labels(status=status, role=sample_ops.role_of(sample)).inc()
                 if sample_ops.is_trainable(sample):
                     self.metrics.response_tokens.inc(sample_ops.num_response_tokens(sample))
         return outcome

@@ -9,13 +9,19 @@ assistant message of the session) with the row's label:
 - `unit_tests`: the answer is written as a file into a fresh sandbox with the row's tests, the test command runs,
   exit code 0 scores 1.0 (or the PASS fraction with partial_credit). The sandbox is always destroyed.
 Every verifier scores 0.0 when there is no answer. Rewards are one float per sample of the episode.
+
+Multi-agent episodes (`rollout.roles`): the samples of every role are scored together. A reward function may
+return `{role: reward}` (each sample gets its `metadata.role`'s reward; a missing or unknown role is a
+`BadRewardError`), a float (every role gets it) or a list (one per sample, every role's in order); the agent's
+reward and the verifiers give every role the same reward, the verifiers' default answer being the first role's
+last assistant message.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -30,7 +36,9 @@ from miles.common.jobspec.rollout import (
     UnitTestsRewardSpec,
 )
 from miles.proto.common.v1 import common_pb2
+from miles.rollout import samples as sample_ops
 from miles.rollout.contracts import AgentResult, RewardFn, load_callable
+from miles.rollout.errors import BadRewardError
 from miles.rollout.sandbox import SandboxClient
 
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
@@ -122,6 +130,8 @@ class EpisodeToScore:
     agent_result: AgentResult
     final_message_text: Callable[[], Awaitable[str | None]]
     """The content of the session's last assistant message (fetched only when a verifier needs it)."""
+    roles: tuple[str, ...] = ()
+    """The job's declared roles (`rollout.roles`); each sample of a multi-agent episode has one in metadata.role."""
 
 
 class Scorer:
@@ -146,7 +156,7 @@ class Scorer:
         spec, num_samples = self.spec, len(episode.samples)
         if self._function is not None:
             value = await self._function(episode.prompt, list(episode.samples), dict(episode.agent_result.raw))
-            return _per_sample(value, num_samples), {}
+            return _per_sample(value, episode.samples, episode.roles), {}
         if spec.type == "agent":
             if episode.agent_result.reward is None:
                 return [0.0] * num_samples, {"reward_missing": True}
@@ -168,15 +178,45 @@ class Scorer:
         return [value_f] * num_samples, info
 
 
-def _per_sample(value: object, num_samples: int) -> list[float]:
-    if isinstance(value, list):
+def _per_role(
+    value: Mapping[object, object], samples: Sequence[common_pb2.Sample], roles: Sequence[str]
+) -> list[float]:
+    """Each sample gets its role's reward; the mapping must name exactly the job's roles."""
+    if not roles:
+        raise BadRewardError("the reward function returned rewards per role, but the job declares no rollout.roles")
+    unknown = sorted(str(role) for role in value if role not in roles)
+    missing = [role for role in roles if role not in value]
+    if unknown or missing:
+        raise BadRewardError(
+            f"the reward function's rewards per role must name exactly the job's roles {list(roles)}: "
+            f"unknown {unknown}, missing {missing}"
+        )
+    by_role: dict[str, float] = {}
+    for role, reward in value.items():
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise BadRewardError(f"the reward of role {role!r} must be a number, not {type(reward).__name__}")
+        by_role[str(role)] = float(reward)
+    sample_roles = [sample_ops.role_of(sample) for sample in samples]
+    if any(role not in by_role for role in sample_roles):  # the worker labels every sample: a broken invariant
+        raise BadRewardError(f"samples of roles {sample_roles} do not all have a role of {list(roles)}")
+    return [by_role[role] for role in sample_roles]
+
+
+def _per_sample(value: object, samples: Sequence[common_pb2.Sample], roles: Sequence[str]) -> list[float]:
+    num_samples = len(samples)
+    if isinstance(value, Mapping):
+        rewards = _per_role(value, samples, roles)
+    elif isinstance(value, list):
         if len(value) != num_samples:
             raise ValueError(f"the reward function returned {len(value)} rewards for {num_samples} samples")
         rewards = [float(item) for item in value]
     elif isinstance(value, int | float) and not isinstance(value, bool):
         rewards = [float(value)] * num_samples
     else:
-        raise ValueError(f"the reward function must return a float or a list of floats, not {type(value).__name__}")
+        raise ValueError(
+            "the reward function must return a float or a list of floats (or {role: float} with rollout.roles), "
+            f"not {type(value).__name__}"
+        )
     if not all(math.isfinite(reward) for reward in rewards):
         raise ValueError(f"the reward function returned a non-finite reward: {rewards}")
     return rewards

@@ -36,6 +36,23 @@ def placeholder(episode_id: str, group_id: str) -> common_pb2.Sample:
     )
 
 
+def role_of(sample: common_pb2.Sample) -> str:
+    """The sample's role in a multi-agent episode (`metadata.role`), "" without roles."""
+    return str(sample.metadata["role"]) if "role" in sample.metadata else ""
+
+
+def label_role(samples: Iterable[common_pb2.Sample], role: str, episode_id: str) -> None:
+    """Stamps one role session's samples with their role: `metadata.role` (the session server sets it too; the
+    worker's placeholders and agent-returned metadata must not lose it) and a sample id unique in the group,
+    `<episode_id>/<role>` + the session server's suffix, since every role's session has the same episode id."""
+    for sample in samples:
+        if sample.sample_id.startswith(episode_id):
+            sample.sample_id = f"{episode_id}/{role}{sample.sample_id.removeprefix(episode_id)}"
+        else:
+            sample.sample_id = f"{sample.sample_id}/{role}"
+        sample.metadata.update({"role": role})
+
+
 def json_safe(value: Any) -> Any:
     """A JSON-compatible copy (what a protobuf Struct can hold); unknown objects become their str()."""
     return json.loads(json.dumps(value, default=str))

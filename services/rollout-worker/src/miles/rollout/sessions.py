@@ -114,9 +114,19 @@ class SessionClient:
             raise SessionServerUnavailableError(f"session server {operation} failed: {exc}") from exc
 
     async def create(
-        self, *, job_id: str, episode_id: str, ttl_s: float, metadata: dict[str, Any] | None = None
+        self,
+        *,
+        job_id: str,
+        episode_id: str,
+        ttl_s: float,
+        metadata: dict[str, Any] | None = None,
+        role: str = "",
     ) -> SessionHandle:
-        body = {"job_id": job_id, "episode_id": episode_id, "ttl_s": ttl_s, "metadata": metadata or {}}
+        """A new session; `role` (one of the job's declared roles, else a 400) makes it that role's session of a
+        multi-agent episode, "" none."""
+        body: dict[str, Any] = {"job_id": job_id, "episode_id": episode_id, "ttl_s": ttl_s, "metadata": metadata or {}}
+        if role:
+            body["role"] = role
         response = await self._call(
             "create", lambda: self._http.post("/v1/sessions", json=body, headers=self._operator_headers)
         )

@@ -20,6 +20,12 @@ DOTTED_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 """`package.module:function`: the module is imported (after `python_path` is put on sys.path), then the
 attribute is read."""
 
+ROLE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+"""A role name (`solver`, `verifier`): what the session server accepts as a session's `role`."""
+
+MAX_ROLES = 8
+"""Roles of one job at most: each becomes a session per episode and a bounded `role` metric label."""
+
 REQUEST_KWARGS = frozenset(
     {
         "temperature",
@@ -214,7 +220,8 @@ class GroupFilterSpec(_Section):
     """Group-level filters run by the worker before a group is pushed (dropped groups are counted)."""
 
     drop_equal_rewards: bool = False
-    """Drop groups whose trainable samples all have the same reward (zero GRPO advantage; DAPO)."""
+    """Drop groups whose trainable samples all have the same reward (zero GRPO advantage; DAPO); with roles: the
+    same reward within each role."""
 
     min_valid_samples: int = Field(default=1, ge=0)
     """Drop groups with fewer trainable (COMPLETED or TRUNCATED) samples than this (0 behaves as 1)."""
@@ -292,12 +299,29 @@ class RolloutSpec(_Section):
     session_ttl_s: float | None = Field(default=None, gt=0)
     """Idle expiry of the episode's session (a safety net if the worker dies); null: agent timeout + 300 s."""
 
+    roles: list[Annotated[str, Field(pattern=ROLE_PATTERN)]] = Field(default_factory=list, max_length=MAX_ROLES)
+    """Multi-agent episodes (agents only): one session per role per episode, e.g. `[solver, verifier]` (same model,
+    the agent's own prompts), handed to the agent as `metadata["roles"]`; every sample carries `metadata.role`, the
+    reward function may reward each role on its own, and the trainer normalises advantages per (group, role).
+    Empty: one session per episode without a role. Unique names of [A-Za-z0-9_.-], at most 8."""
+
+    tree_sessions: bool = False
+    """Sessions are trees: agents that fork (best-of-n, search), retry a turn deep in their history or compact
+    their context (restart from a summary) need one; each leaf path becomes a sample (docs/tito-sessions.md)."""
+
     @field_validator("request_kwargs")
     @classmethod
     def _known_request_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(value) - REQUEST_KWARGS)
         if unknown:
             raise ValueError(f"unknown request kwargs {unknown}; allowed: {sorted(REQUEST_KWARGS)}")
+        return value
+
+    @field_validator("roles")
+    @classmethod
+    def _unique_roles(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"roles must be unique (got {value})")
         return value
 
     @model_validator(mode="after")
@@ -307,6 +331,10 @@ class RolloutSpec(_Section):
         if self.agent is not None and self.dataset.path is None:
             raise ValueError("rollout.dataset.path is required with rollout.agent")
         if self.environment is not None:
+            if self.roles:
+                raise ValueError(
+                    "rollout.roles needs rollout.agent: an environment runs its own episodes in one session each"
+                )
             if self.dataset.path is not None:
                 raise ValueError(
                     "rollout.dataset.path must be absent with rollout.environment: its rows are the prompts"
