@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -109,6 +111,27 @@ async def test_lora_on_megatron_or_several_trainer_replicas_is_400_naming_train_
             assert response.status_code == 400, response.text
             assert response.json()["error"]["field"] == "train.lora" and said in response.json()["error"]["message"]
         assert (await client.post("/v1/jobs", json={**body, "train": train})).status_code == 201
+
+
+async def test_lora_targets_and_rank_are_checked_against_the_models_config(
+    redis_url: str, controller_kit: Any, tmp_path: Path
+) -> None:
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "head_dim": 16, "intermediate_size": 128}))
+    kit = controller_kit
+    async with kit.running(kit.make_settings(redis_url), kit.FakeBackend()) as client:
+        body = {**kit.job_spec_body(), "model": {"path": str(tmp_path), "family": "qwen3"}}
+        cases = [
+            ({"rank": 4, "target_modules": ["q_proj", "lm_head"]}, "train.lora.target_modules", "['lm_head']"),
+            ({"rank": 33, "target_modules": ["q_proj", "k_proj"]}, "train.lora.rank", "at most 32"),  # k: 64 -> 32
+        ]
+        for lora, field, said in cases:
+            response = await client.post("/v1/jobs", json={**body, "train": {**body["train"], "lora": lora}})
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["field"] == field and said in response.json()["error"]["message"]
+        fits = {"rank": 32, "target_modules": ["q_proj", "k_proj"]}
+        accepted = await client.post("/v1/jobs", json={**body, "train": {**body["train"], "lora": fits}})
+        assert accepted.status_code == 201, accepted.text
 
 
 async def test_idempotency_key_replays_the_same_job_and_refuses_another_body(

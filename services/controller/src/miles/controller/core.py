@@ -17,6 +17,7 @@ from miles.common.jobspec.job import JobSpec
 from miles.controller.api_models import ResizeRequest
 from miles.controller.errors import JobNotFoundError, JobStateConflictError
 from miles.controller.jobs import TERMINAL_STATES, JobRecord, JobState, new_job_id
+from miles.controller.lora_check import check_lora, read_config
 from miles.controller.metrics import ControllerMetrics
 from miles.controller.routing_replay import check_routing_replay, read_model_routing
 from miles.controller.settings import ControllerSettings
@@ -44,6 +45,8 @@ class JobService:
         for field, why in [*spec.train.recipe_problems(), *spec.placement_problems()]:  # semantic: pydantic
             raise InvalidArgumentError(why, field=field)  # accepted each field on its own
         check_routing_replay(spec, await asyncio.to_thread(read_model_routing, spec.model.path))
+        if spec.train.lora is not None:
+            check_lora(spec, await asyncio.to_thread(read_config, spec.model.path))
         await self.supervisor.backend.check_spec(spec)
         now = time.time()
         record = JobRecord(job_id=new_job_id(), spec=spec, state=JobState.PENDING, created_at_s=now, updated_at_s=now)
