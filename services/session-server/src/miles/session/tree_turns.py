@@ -9,14 +9,13 @@ what is stored.
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 
 from miles.session.api_models import ChatCompletionRequest
 from miles.session.errors import SessionNotFoundError, TreeFullError
 from miles.session.model_assets import SessionModel
-from miles.session.records import CommitOutcome, Json, SessionMeta, TurnRecord
+from miles.session.records import CommitOutcome, Json, SessionMeta
 from miles.session.store import SessionStore
 from miles.session.tree import SessionTree, TreeCommit, TreeNode, TreeTurnPlan, find_parent, path_buffer, plan_tree_turn
 from miles.session.upstream import Completion
@@ -71,20 +70,11 @@ def tree_commit(
     routing_chunk: bytes | None,
 ) -> TreeCommit:
     """The node phase 3 adds: its record (turn_index = depth - 1, lengths along its path) and its own ids."""
-    record = TurnRecord(
+    record = completion.record(
         turn_index=plan.depth - 1,
         prompt_len=len(prompt_ids),
         num_trimmed_tokens=plan.prompt.num_trimmed_tokens,
-        completion_ids=completion.output_ids,
-        logprobs=completion.logprobs,
-        weight_version=completion.weight_version,
-        cached_tokens=completion.cached_tokens,
-        prompt_tokens=completion.prompt_tokens,
-        finish_type=completion.finish_type,
-        finish_matched=completion.finish_matched,
         messages_end=len(plan.base_messages) + len(plan.appended) + 1,
-        created_at_unix_ms=int(time.time() * 1000),
-        upstream_latency_s=completion.latency_s,
         routing_start_row=routing_start_row,
     )
     delta_ids = prompt_ids[plan.keep_len :] + completion.output_ids

@@ -38,7 +38,7 @@ from miles.session.history import TurnPlan, num_records_to_keep, plan_turn
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry, SessionModel
 from miles.session.openai_format import CompletionBudget
-from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit, TurnRecord
+from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit
 from miles.session.store import SessionStore
 from miles.session.tree import TreeTurnPlan
 from miles.session.tree_turns import TreeLimits, prepare_tree_turn, tree_commit, tree_fields
@@ -268,20 +268,11 @@ class TurnRunner:
         turn_routing: TurnRouting | None,
     ) -> CommitOutcome:
         messages = [*plan.base_messages, *plan.appended, message]
-        record = TurnRecord(
+        record = completion.record(
             turn_index=plan.num_kept_records,
             prompt_len=len(prompt_ids),
             num_trimmed_tokens=plan.prompt.num_trimmed_tokens,
-            completion_ids=completion.output_ids,
-            logprobs=completion.logprobs,
-            weight_version=completion.weight_version,
-            cached_tokens=completion.cached_tokens,
-            prompt_tokens=completion.prompt_tokens,
-            finish_type=completion.finish_type,
-            finish_matched=completion.finish_matched,
             messages_end=len(messages),
-            created_at_unix_ms=int(time.time() * 1000),
-            upstream_latency_s=completion.latency_s,
             routing_start_row=turn_routing.start_row if turn_routing is not None else None,
         )
         commit = TurnCommit(

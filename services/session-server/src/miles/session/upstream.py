@@ -31,7 +31,7 @@ from miles.session.errors import (
     UpstreamRejectedError,
     UpstreamUnavailableError,
 )
-from miles.session.records import FinishType
+from miles.session.records import FinishType, TurnRecord
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,33 @@ class Completion:
     routed_experts: str | None = None
     """`meta_info.routed_experts` as sent (base64 of little-endian int32), when asked for; routing.py checks it.
     Never part of the agent's answer."""
+
+    def record(
+        self,
+        *,
+        turn_index: int,
+        prompt_len: int,
+        num_trimmed_tokens: int,
+        messages_end: int,
+        routing_start_row: int | None,
+    ) -> TurnRecord:
+        """The TurnRecord that commits this generation at `turn_index` of its session (or tree path)."""
+        return TurnRecord(
+            turn_index=turn_index,
+            prompt_len=prompt_len,
+            num_trimmed_tokens=num_trimmed_tokens,
+            completion_ids=self.output_ids,
+            logprobs=self.logprobs,
+            weight_version=self.weight_version,
+            cached_tokens=self.cached_tokens,
+            prompt_tokens=self.prompt_tokens,
+            finish_type=self.finish_type,
+            finish_matched=self.finish_matched,
+            messages_end=messages_end,
+            created_at_unix_ms=int(time.time() * 1000),
+            upstream_latency_s=self.latency_s,
+            routing_start_row=routing_start_row,
+        )
 
 
 class UpstreamAbortedError(UpstreamUnavailableError):
