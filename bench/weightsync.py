@@ -36,13 +36,21 @@ is the stream transport?
     `pause_vs_update` = median engine pause / median time from the optimizer step to the engine serving the
     version, and `naive_pause_vs_update` what the pause would be if the version were prepared inside it.
 
+(d) LoRA adapter size vs the full model (arithmetic on the model's shapes, nothing allocated): what a rank-8 and
+    a rank-64 adapter on all 7 projections (q k v o gate up down: rank x (in + out) per projection) weighs next
+    to the whole model (embedding, lm_head unless tied, projections, norms), both in bf16, for the tiny Qwen3
+    model (its config.json; the count is checked against its safetensors) and for a synthetic ~1B Qwen3 shape
+    (Qwen3-1.7B's layers - hidden 2,048, 16 heads of 128, 8 KV heads, MLP 6,144, vocab 151,936, tied - 14 of its
+    28 layers: 1.02B parameters). What a LoRA job's checkpoint holds (its adapter, float32: twice the bf16 bytes);
+    the engines still receive merged full weights, so this is the size adapters would have on the weight path.
+
 Prints `delta_ratio lr=1e-6 <x>` (tiny model), `delta_ratio synthetic_1b lr=1e-6 <y>` (goal: <= 0.012), the other
 delta workloads with their encode / decode MB/s, `pause_vs_update <p>` (goal: <= 0.15) and `stream_vs_raw_tcp <z>`
-(goal: >= 0.8); writes bench/results/weightsync.json.
+(goal: >= 0.8), `lora_adapter_vs_full <model> rank=<r> <ratio>`; writes bench/results/weightsync.json.
 
 Run: make bench-weightsync   (or: .venv/bin/python bench/weightsync.py [--skip-1b]
-[--stream-only | --delta-only | --update-only] [--stream-mb N] [--rounds R] [--streams S] [--update-versions V];
-an --*-only run measures that part alone and keeps the others from the results file)
+[--stream-only | --delta-only | --update-only | --lora-only] [--stream-mb N] [--rounds R] [--streams S]
+[--update-versions V]; an --*-only run measures that part alone and keeps the others from the results file)
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -240,6 +249,99 @@ def delta_ratios(model_dir: Path, tiny_steps: int, skip_synthetic: bool) -> dict
                 f"(encode {run['encode_mb_per_s']:.0f} MB/s, decode {run['decode_mb_per_s']:.0f} MB/s)"
             )
     return {"tiny_model": [tiny[lr] for lr in sorted(tiny)], **synthetic}
+
+
+# --- (d) LoRA adapter size vs the full model ---------------------------------------------------------------------
+LORA_RANKS = (8, 64)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SYNTHETIC_QWEN3_1B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 14,
+    "intermediate_size": 6144,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+"""Qwen3-1.7B's shapes with 14 of its 28 layers: ~1B parameters."""
+BF16_BYTES = 2
+
+
+def _projection_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each of a Qwen3 decoder layer's 7 projections."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    q, kv = int(config["num_attention_heads"]) * head_dim, int(config["num_key_value_heads"]) * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def qwen3_num_parameters(config: dict[str, Any]) -> int:
+    """Every parameter of a dense Qwen3 causal LM: embedding, lm_head unless tied, per layer the 7 projections,
+    2 RMSNorms and the q/k norms (head_dim each), and the final norm."""
+    hidden, vocab, layers = int(config["hidden_size"]), int(config["vocab_size"]), int(config["num_hidden_layers"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    per_layer = sum(i * o for i, o in _projection_shapes(config).values()) + 2 * hidden + 2 * head_dim
+    lm_head = 0 if config.get("tie_word_embeddings", False) else vocab * hidden
+    return vocab * hidden + lm_head + layers * per_layer + hidden
+
+
+def lora_num_parameters(config: dict[str, Any], rank: int) -> int:
+    """A rank-`rank` adapter on all 7 projections of every layer: A (rank x in) + B (out x rank) each."""
+    per_layer = sum(rank * (i + o) for name, (i, o) in _projection_shapes(config).items() if name in LORA_PROJECTIONS)
+    return int(config["num_hidden_layers"]) * per_layer
+
+
+def _safetensors_num_parameters(path: Path) -> int:
+    """Elements of every tensor of a safetensors file, from its header alone."""
+    with path.open("rb") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+
+
+def lora_adapter_sizes(model_dir: Path) -> dict[str, Any]:
+    """Part (d): bf16 adapter bytes / bf16 full-model bytes, per model and rank, printed as computed."""
+    tiny_config = json.loads((model_dir / "config.json").read_text())
+    tiny_count = qwen3_num_parameters(tiny_config)
+    weights = model_dir / "model.safetensors"
+    if weights.is_file():  # the arithmetic is the model's own count
+        stored = _safetensors_num_parameters(weights)
+        if stored != tiny_count:
+            raise RuntimeError(f"{weights}: {stored} parameters, the config's shapes give {tiny_count}")
+    models = {"tiny_qwen3": tiny_config, "synthetic_qwen3_1b": SYNTHETIC_QWEN3_1B}
+    result: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "projections": list(LORA_PROJECTIONS),
+        "checkpoint_dtype": "float32 (a LoRA job's adapter/ holds 2x the bf16 adapter bytes)",
+    }
+    for label, config in models.items():
+        full = qwen3_num_parameters(config)
+        entry: dict[str, Any] = {
+            "shape": {key: config[key] for key in SYNTHETIC_QWEN3_1B},
+            "num_parameters": full,
+            "full_bytes": full * BF16_BYTES,
+        }
+        for rank in LORA_RANKS:
+            adapter = lora_num_parameters(config, rank)
+            entry[f"rank_{rank}"] = {
+                "adapter_parameters": adapter,
+                "adapter_bytes": adapter * BF16_BYTES,
+                "adapter_vs_full": adapter / full,
+            }
+            print(
+                f"lora_adapter_vs_full {label} rank={rank} {adapter / full:.5f} ({adapter * BF16_BYTES:,} bytes "
+                f"of {full * BF16_BYTES:,})"
+            )
+        result[label] = entry
+    return result
 
 
 # --- (b) stream vs raw TCP ---------------------------------------------------------------------------------------
@@ -496,14 +598,16 @@ def main() -> None:
     parser.add_argument("--stream-only", action="store_true", help="only (b); keep the rest of the results file")
     parser.add_argument("--delta-only", action="store_true", help="only (a); keep the file's stream results")
     parser.add_argument("--update-only", action="store_true", help="only (c); keep the rest of the results file")
+    parser.add_argument("--lora-only", action="store_true", help="only (d); keep the rest of the results file")
     parser.add_argument("--update-versions", type=int, default=6)
     parser.add_argument("--stream-mb", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", type=int, default=4)
     args = parser.parse_args()
-    if sum((args.stream_only, args.delta_only, args.update_only)) > 1:
-        parser.error("--stream-only, --delta-only and --update-only exclude each other")
-    only = "stream" if args.stream_only else "delta" if args.delta_only else "update" if args.update_only else ""
+    if sum((args.stream_only, args.delta_only, args.update_only, args.lora_only)) > 1:
+        parser.error("--stream-only, --delta-only, --update-only and --lora-only exclude each other")
+    flags = {"stream": args.stream_only, "delta": args.delta_only, "update": args.update_only, "lora": args.lora_only}
+    only = next((part for part, chosen in flags.items() if chosen), "")
     torch.manual_seed(0)
     previous = json.loads(RESULTS.read_text()) if only and RESULTS.is_file() else {}
     with tempfile.TemporaryDirectory(prefix="bench-weightsync-") as tmp:
@@ -516,6 +620,9 @@ def main() -> None:
             update = pause_vs_update(_model_dir(scratch), scratch, num_versions=args.update_versions)
             print(f"pause_vs_update {update['pause_vs_update']:.3f}")
             print(f"naive_pause_vs_update {update['naive_pause_vs_update']:.3f}")
+        lora = previous.get("lora_adapter")
+        if only in ("", "lora"):
+            lora = lora_adapter_sizes(_model_dir(scratch))
         stream = previous.get("stream")
         if only in ("", "stream"):
             stream = stream_vs_raw(args.stream_mb, args.rounds, args.streams, scratch)
@@ -527,10 +634,11 @@ def main() -> None:
             print(f"grpc_floor_vs_raw_tcp {stream['grpc_floor_vs_raw_tcp']:.3f}")
     result = {
         "benchmark": "weight-sync: lossless delta size (bf16 and others), engine pause within a whole update, "
-        "stream transport vs raw TCP over loopback",
+        "stream transport vs raw TCP over loopback, LoRA adapter size vs the full model",
         **deltas,
         "update": update,
         "stream": stream,
+        "lora_adapter": lora,
         "goals": {"delta_ratio_lr_1e-6_max": 0.012, "pause_vs_update_max": 0.15, "stream_vs_raw_tcp_min": 0.8},
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
     }

@@ -17,7 +17,9 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +68,38 @@ def tiny_model_dir(tmp_root: Path) -> Path:
     from miles.engine.tiny_model import build_tiny_model
 
     return Path(build_tiny_model(tmp_root / "tiny-qwen3"))
+
+
+DEMO_WARMUP_SCRIPTS = {
+    "reasoning-demo": "examples/reasoning_gym/warmup.py",
+    "harbor-demo": "examples/harbor_tasks/warmup.py",
+}
+"""Demo models built by running their example's warmup.py as a script (examples/reasoning_gym must not shadow the
+reasoning_gym package; examples/harbor_tasks is no package); the calculator demo's by calculator_tool.warmup."""
+
+
+def demo_model_dir(name: str, tmp_root: Path) -> Path:
+    """A demo's warmed-up tiny model: `make run`'s copy (.miles/models/<name>) when present, else built into
+    tmp_root once (~1-3 min; the worker's later tests reuse it). Never built into the repository: a test on another
+    worker could read a half-written copy there."""
+    made = REPO_ROOT / ".miles" / "models" / name
+    if (made / "model.safetensors").is_file():
+        return made
+    out = tmp_root / name
+    if (out / "model.safetensors").is_file():
+        return out
+    if name in DEMO_WARMUP_SCRIPTS:
+        subprocess.run([sys.executable, str(REPO_ROOT / DEMO_WARMUP_SCRIPTS[name]), str(out)], check=True)
+    else:
+        code = "import sys; from calculator_tool.warmup import build_demo_model; build_demo_model(sys.argv[1])"
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO_ROOT / "examples")
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`demo_model(name)`: demo_model_dir in this worker's base temp directory."""
+    return lambda name: demo_model_dir(name, tmp_path_factory.getbasetemp())
 
 
 @dataclass

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,29 +106,6 @@ def _wait(loop: asyncio.AbstractEventLoop, backend: LocalJobBackend, job_id: str
         time.sleep(0.5)
 
 
-WARMUP_SCRIPTS = {
-    "reasoning-demo": "examples/reasoning_gym/warmup.py",
-    "harbor-demo": "examples/harbor_tasks/warmup.py",
-}
-"""Demo models built by running their example's warmup.py as a script (examples/reasoning_gym must not shadow the
-reasoning_gym package; examples/harbor_tasks is no package); the calculator demo's by calculator_tool.warmup."""
-
-
-def demo_model(name: str, tmp_root: Path) -> Path:
-    """A demo's warmed-up tiny model (`make run`'s copy when present, else built here, ~1 min): it writes the
-    answer formats and is sometimes right, so groups have reward variance (GRPO signal)."""
-    made = REPO_ROOT / ".miles" / "models" / name
-    if (made / "model.safetensors").is_file():
-        return made
-    out = tmp_root / name
-    if name in WARMUP_SCRIPTS:
-        subprocess.run([sys.executable, str(REPO_ROOT / WARMUP_SCRIPTS[name]), str(out)], check=True)
-    else:
-        code = "import sys; from calculator_tool.warmup import build_demo_model; build_demo_model(sys.argv[1])"
-        subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO_ROOT / "examples")
-    return out
-
-
 TRAINED = {
     "reasoning_gym": ("reasoning-demo", 2),
     "harbor": ("harbor-demo", 1),
@@ -144,12 +120,12 @@ pays a lucky guess, the verifiers arithmetic environment a right last number): e
 
 @pytest.mark.parametrize("connector", sorted(TRAINED))
 def test_a_short_job_on_an_environment_trains(
-    stack: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, connector: str
+    stack: Any, tmp_path: Path, demo_model: Callable[[str], Path], connector: str
 ) -> None:
     """The example's job, cut to a step or two: the environment's scores make the advantages (the trainer skips
     steps without signal, so reaching the last step means they did)."""
     model_name, num_steps = TRAINED[connector]
-    model = demo_model(model_name, tmp_path_factory.getbasetemp())
+    model = demo_model(model_name)
     job_id = f"env-train-{connector.replace('_', '-')}"
     rollout = example_rollout(connector)
     rollout["dataset"].update(limit=None, num_epochs=None)

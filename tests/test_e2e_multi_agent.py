@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +42,6 @@ NUM_STEPS = 2
 @pytest.fixture(scope="module")
 def stack_options(make_stack_options: Any) -> Any:
     return make_stack_options(engine="fake", num_engines=0, sandbox=False)
-
-
-def calculator_demo_model(tmp_root: Path) -> Path:
-    """The calculator demo's warmed-up tiny model (mini tokenizer: every process of the job runs fast)."""
-    made = REPO_ROOT / ".miles" / "models" / "calculator-demo"
-    if (made / "model.safetensors").is_file():
-        return made
-    out = tmp_root / "calculator-demo"
-    code = "import sys; from calculator_tool.warmup import build_demo_model; build_demo_model(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO_ROOT / "examples")
-    return out
 
 
 def short_job(model: Path) -> JobSpec:
@@ -90,9 +78,9 @@ def run_until_done(
 
 
 def test_the_solver_verifier_job_trains_on_samples_of_both_roles(
-    stack: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    stack: Any, tmp_path: Path, demo_model: Callable[[str], Path]
 ) -> None:
-    spec = short_job(calculator_demo_model(tmp_path_factory.getbasetemp()))
+    spec = short_job(demo_model("calculator-demo"))
     services = SharedServices(
         stack.redis_url, stack.router_url, "", stack.session_url, stack.operator_token, stack.buffer_address, "", ""
     )
