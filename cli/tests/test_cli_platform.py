@@ -64,8 +64,15 @@ def test_up_status_down_starts_every_shared_service_and_leaves_nothing_running(h
 
     os.kill(healed.keeper_pid, signal.SIGKILL)
     os.kill(healed.services["session"].pid, signal.SIGKILL)
+    session = healed.services["session"]
+    deadline = time.monotonic() + 30.0  # a killed process's /proc entry outlives the signal for a moment
+    while (pid_alive(healed.keeper_pid, KEEPER_PROGRAM) or pid_alive(session.pid, session.program)) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
     again = runner.invoke(app, ["up", "--home", str(home)])
-    assert again.exit_code == 0 and "restarted on the same ports: session" in " ".join(again.output.split())
+    assert again.exit_code == 0, again.output
+    assert "restarted on the same ports: session" in " ".join(again.output.split())
     final = load_state(Layout(home))
     assert final is not None and pid_alive(final.keeper_pid, KEEPER_PROGRAM)
     assert {n: r.url for n, r in final.services.items()} == {n: r.url for n, r in state.services.items()}

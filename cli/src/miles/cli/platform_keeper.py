@@ -145,13 +145,15 @@ def heal_platform(layout: Layout, state: PlatformState, *, ready_timeout_s: floa
     else this does and then starts a keeper), and wait until every service is ready. Never moves a port.
     Returns the services restarted here. Raises TimeoutError when one is still not ready after the timeout."""
     restarted: list[str] = []
-    if not keeper_alive(state):
-        restarted = PlatformKeeper(layout).check_once(state, ignore_backoff=True)
-        state.keeper_pid = start_keeper(layout)
-        save_state(layout, state)
     deadline = time.monotonic() + ready_timeout_s
     while True:
         current = load_state(layout) or state
+        # Looked at on every pass: a keeper killed just before `up` can still look alive on the first one (its
+        # /proc entry outlives the signal for a moment), and one that dies while we wait must not leave us waiting.
+        if not keeper_alive(current):
+            restarted += PlatformKeeper(layout).check_once(current, ignore_backoff=True)
+            current.keeper_pid = start_keeper(layout)
+            save_state(layout, current)
         not_ready = [name for name, record in current.services.items() if not is_ready(record)]
         if not not_ready:
             return restarted
