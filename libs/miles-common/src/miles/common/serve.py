@@ -46,6 +46,21 @@ SERVER_KEEP_ALIVE_S = 75.0
 pool keeps them (miles.common.http_client), so no client ever sends on a connection the server is closing."""
 
 
+def _gate_readiness_on(http_app: FastAPI, grpc_serving: asyncio.Event) -> None:
+    """/readyz of a service with both servers fails until the gRPC server accepts calls: the HTTP server starts
+    first (its lifespan sets up what the gRPC servicers use), so without this gate a caller that waited for
+    readiness could reach a gRPC port that is not listening yet (UNAVAILABLE)."""
+    checks = getattr(http_app.state, "readiness_checks", None)
+    if not isinstance(checks, dict):
+        return
+
+    async def grpc_accepts_calls() -> None:
+        if not grpc_serving.is_set():
+            raise RuntimeError("the gRPC server is not serving yet (starting, or stopping)")
+
+    checks["grpc"] = grpc_accepts_calls  # this serve's event (an app served again gets a new one)
+
+
 async def serve_async(
     *,
     http_app: FastAPI | None,
@@ -74,6 +89,9 @@ async def serve_async(
     http_server: uvicorn.Server | None = None
     http_task: asyncio.Task[object] | None = None
     bound_http_port: int | None = None
+    grpc_serving = asyncio.Event()
+    if http_app is not None and grpc_server is not None:
+        _gate_readiness_on(http_app, grpc_serving)
     if http_app is not None:
         sock = bind_socket(http_host, http_port)
         bound_http_port = sock.getsockname()[1]
@@ -93,6 +111,7 @@ async def serve_async(
             await http_task  # re-raises the start-up failure
     if grpc_server is not None:
         await grpc_server.start()
+        grpc_serving.set()
     if on_started is not None:
         on_started(bound_http_port, grpc_server.port if grpc_server else None)
     log.info("serving", extra={"http_port": bound_http_port, "grpc_port": grpc_server.port if grpc_server else None})
@@ -104,6 +123,7 @@ async def serve_async(
     log.info("shutting down", extra={"grace_s": grace_s})
     for wake in on_stopping:
         wake()
+    grpc_serving.clear()
     if grpc_server is not None:
         await grpc_server.stop(grace_s)
     if http_server is not None and http_task is not None:
