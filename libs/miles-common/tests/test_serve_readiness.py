@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from miles.common.grpc_server import build_grpc_server
 from miles.common.http import create_http_app
-from miles.common.serve import serve_async
+from miles.common.serve import bind_socket, serve_async
 from miles.common.telemetry import Metrics
 from miles.common.testing import free_port
 
@@ -47,5 +48,32 @@ async def test_readyz_waits_for_the_grpc_server() -> None:
                 break
             await asyncio.sleep(0.02)
         assert ready.status_code == 200, ready.text
+    stop.set()
+    await serving
+
+
+async def test_a_socket_bound_before_serving_is_the_one_served() -> None:
+    """A service that spawns children before it serves binds first (bind_socket) and hands the socket over, so
+    that a child's ephemeral port cannot take the service's port in between."""
+    metrics = Metrics("servetest")
+    app = create_http_app(service="servetest", metrics=metrics)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(OSError):  # the port is held from the bind on, before serving starts
+        bind_socket("127.0.0.1", port)
+    stop, started = asyncio.Event(), asyncio.Event()
+    serving = asyncio.create_task(
+        serve_async(
+            http_app=app,
+            http_socket=sock,
+            stop_event=stop,
+            handle_signals=False,
+            grace_s=0.1,
+            on_started=lambda http_port, _grpc: started.set() if http_port == port else None,
+        )
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        assert (await client.get("/healthz")).status_code == 200
     stop.set()
     await serving

@@ -66,6 +66,7 @@ async def serve_async(
     http_app: FastAPI | None,
     http_host: str = "127.0.0.1",
     http_port: int = 0,
+    http_socket: socket.socket | None = None,
     grpc_server: GrpcServer | None = None,
     grace_s: float = 10.0,
     on_started: Callable[[int | None, int | None], None] | None = None,
@@ -79,6 +80,8 @@ async def serve_async(
     `on_started(http_port, grpc_port)` runs once both are listening. `on_stopping` callbacks run first when the
     stop comes, before the servers wait `grace_s` for in-flight calls: a service wakes its long-polls there, so
     that they answer at once instead of holding the shutdown for the whole grace. `on_shutdown` runs last.
+    `http_socket`, bound earlier with `bind_socket`, replaces `http_host`/`http_port`: a service that starts
+    child processes before serving binds first, so that no child's ephemeral port can take its port.
     """
     stop = stop_event or asyncio.Event()
     if handle_signals:
@@ -93,7 +96,7 @@ async def serve_async(
     if http_app is not None and grpc_server is not None:
         _gate_readiness_on(http_app, grpc_serving)
     if http_app is not None:
-        sock = bind_socket(http_host, http_port)
+        sock = http_socket if http_socket is not None else bind_socket(http_host, http_port)
         bound_http_port = sock.getsockname()[1]
         config = uvicorn.Config(
             http_app,

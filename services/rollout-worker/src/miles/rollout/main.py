@@ -13,7 +13,7 @@ import logging
 import sys
 
 from miles.common.logs import configure_logging
-from miles.common.serve import serve_async
+from miles.common.serve import bind_socket, serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
 from miles.rollout.core import RolloutWorker
@@ -23,6 +23,9 @@ from miles.rollout.settings import RolloutSettings
 
 
 async def run(settings: RolloutSettings) -> int:
+    # Bound before the worker starts: an environment server it spawns listens on an ephemeral port, which the
+    # kernel could otherwise hand out from under ours (seen in CI as "Address already in use").
+    http_socket = bind_socket(settings.host, settings.port)
     metrics = Metrics(SERVICE)
     rollout_metrics = RolloutMetrics(metrics)
     worker = await RolloutWorker.build(settings, rollout_metrics) if settings.job_id else None
@@ -39,8 +42,7 @@ async def run(settings: RolloutSettings) -> int:
         watcher = asyncio.create_task(stop_on_failure())
     await serve_async(
         http_app=build_app(metrics, worker),
-        http_host=settings.host,
-        http_port=settings.port,
+        http_socket=http_socket,
         grace_s=settings.shutdown_grace_s,
         on_shutdown=on_shutdown,
         stop_event=stop,
