@@ -1,9 +1,10 @@
-"""Shared fixtures of the engine tests: the tiny models (built once per session) and real engine processes."""
+"""Shared fixtures of the engine tests: the tiny models (built once per session), an in-process LoRA engine and
+real engine processes."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,27 @@ def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from miles.engine.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", moe=True)
+
+
+@pytest.fixture
+async def lora_client(tiny_model_dir: Path) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """A deterministic LoRA engine (2 slots, rank <= 8; an `Engine`) and an HTTP client to its app (over ASGI, in
+    this process: its /metrics are this engine's alone)."""
+    from miles.common.telemetry import Metrics
+    from miles.engine.main import build_engine, create_app
+    from miles.engine.settings import EngineSettings
+
+    settings = EngineSettings(
+        model_path=tiny_model_dir, deterministic=True, enable_lora=True, max_loras_per_batch=2, max_lora_rank=8
+    )
+    metrics = Metrics("engine")
+    engine, served = build_engine(settings, metrics)
+    app = create_app(settings, engine, served, metrics)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
+            yield engine, client
+    finally:
+        engine.scheduler.stop()
 
 
 @dataclass

@@ -13,7 +13,7 @@ import asyncio
 import json
 import random
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ def make_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
     torch.manual_seed(seed)
     config = peft.LoraConfig(init_lora_weights=False, **lora)
     model = peft.get_peft_model(_hf_model(base_dir), config)
-    model.save_pretrained(out)
+    model.save_pretrained(str(out))
     return out
 
 
@@ -128,22 +128,6 @@ def references(tiny_model_dir: Path, lora_dirs: dict[str, Path]) -> dict[str, li
         finally:
             engine.scheduler.stop()
     return results
-
-
-@pytest.fixture
-async def lora_client(tiny_model_dir: Path) -> AsyncIterator[tuple[Engine, httpx.AsyncClient]]:
-    """A deterministic LoRA engine (2 slots, rank <= 8) and an HTTP client to its app."""
-    settings = EngineSettings(
-        model_path=tiny_model_dir, deterministic=True, enable_lora=True, max_loras_per_batch=2, max_lora_rank=8
-    )
-    metrics = Metrics("engine")
-    engine, served = build_engine(settings, metrics)
-    app = create_app(settings, engine, served, metrics)
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
-            yield engine, client
-    finally:
-        engine.scheduler.stop()
 
 
 async def load(client: httpx.AsyncClient, name: str, path: Path) -> httpx.Response:

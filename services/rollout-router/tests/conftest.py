@@ -403,6 +403,13 @@ def routing(
     )
 
 
+def request_from_body(body: dict[str, Any], route: str = "/generate", **headers: str) -> Any:
+    """The RoutingInput the router reads from a JSON body (and lower-case headers), as the forwarder parses it."""
+    from miles.router.routing_input import parse_routing_input
+
+    return parse_routing_input(route, headers, json.dumps(body).encode(), "default")
+
+
 # Test modules cannot import this conftest (--import-mode=importlib), so helpers travel as fixtures.
 @pytest.fixture
 def make_pool() -> Callable[..., tuple[Any, Any, list[Any]]]:
@@ -412,6 +419,11 @@ def make_pool() -> Callable[..., tuple[Any, Any, list[Any]]]:
 @pytest.fixture
 def make_routing() -> Callable[..., Any]:
     return routing
+
+
+@pytest.fixture
+def make_request() -> Callable[..., Any]:
+    return request_from_body
 
 
 @pytest.fixture

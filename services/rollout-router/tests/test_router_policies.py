@@ -32,7 +32,7 @@ def test_dead_sticky_engine_moves_its_sessions_as_misses(make_pool: Any, make_ro
     homes = {f"s{i}": pool.select(make_routing(f"s{i}")).engine for i in range(60)}
     dead = engines[0]
     dead.health.force(False)
-    outcomes = Counter()
+    outcomes: Counter[StickyOutcome | None] = Counter()
     for key, home in homes.items():
         selection = pool.select(make_routing(key))
         outcomes[selection.sticky] += 1
@@ -190,3 +190,49 @@ def test_least_load_and_round_robin(make_pool: Any, make_routing: Any) -> None:
     _, rr_pool, rr_engines = make_pool(3, policy="round_robin")
     picks = [rr_pool.select(make_routing()).engine for _ in range(6)]
     assert picks == rr_engines + rr_engines
+
+
+def test_cache_aware_never_counts_another_adapters_prefix_as_a_hit(make_pool: Any, make_request: Any) -> None:
+    # Engines keep each LoRA adapter's KV apart (and apart from the base model's): the same prompt under another
+    # adapter, another version of it, or none, must not be routed as a cache hit.
+    _, pool, _engines = make_pool(3, policy="cache_aware", cache_threshold=0.5)
+    prompt = list(range(1, 200))
+    home = pool.select(make_request({"input_ids": prompt, "lora_path": "job-a@1"})).engine
+    home.slots.num_in_flight = 1  # a miss goes to a less loaded engine
+    for lora_path in ("job-b@1", "job-a@2", "job-a@10", None):
+        selection = pool.select(make_request({"input_ids": prompt, "lora_path": lora_path}))
+        assert selection.branch == "low_match" and selection.engine is not home, lora_path
+    again = pool.select(make_request({"input_ids": [*prompt, 7], "lora_path": "job-a@1"}))
+    assert again.branch == "prefix" and again.engine is home
+
+
+def test_base_model_prefix_is_no_hit_for_an_adapter(make_pool: Any, make_request: Any) -> None:
+    _, pool, _engines = make_pool(2, policy="cache_aware", cache_threshold=0.5)
+    prompt = list(range(1, 200))
+    home = pool.select(make_request({"input_ids": prompt})).engine
+    home.slots.num_in_flight = 1
+    adapter = pool.select(make_request({"input_ids": prompt, "lora_path": "job-a@1"}))
+    assert adapter.branch == "low_match" and adapter.engine is not home
+    assert pool.select(make_request({"input_ids": [*prompt, 7]})).engine is home
+
+
+def test_an_adapters_other_prompts_are_no_hit(make_pool: Any, make_request: Any) -> None:
+    # The adapter's header is shared by all its keys, but only the prompt counts in the match rate.
+    _, pool, _engines = make_pool(2, policy="cache_aware", cache_threshold=0.3)
+    home = pool.select(make_request({"input_ids": [1, 2, 3], "lora_path": "a-rather-long-job-name@12"})).engine
+    home.slots.num_in_flight = 1
+    other = pool.select(make_request({"input_ids": [4, 5, 6], "lora_path": "a-rather-long-job-name@12"}))
+    assert other.branch == "low_match" and other.engine is not home
+
+
+def test_prefix_placement_and_sticky_keys_are_per_adapter(make_pool: Any, make_request: Any) -> None:
+    _, pool, _engines = make_pool(3, new_key_placement="prefix", cache_threshold=0.5)
+    prompt = list(range(1, 200))
+    first = pool.select(make_request({"input_ids": prompt, "lora_path": "job-a@1", "session_id": "s"}))
+    assert first.sticky is StickyOutcome.NEW
+    first.engine.slots.num_in_flight = 1
+    for lora_path in ("job-b@1", None):  # the same session id under another adapter: another session
+        other = pool.select(make_request({"input_ids": prompt, "lora_path": lora_path, "session_id": "s"}))
+        assert other.sticky is StickyOutcome.NEW and other.branch == "low_match", lora_path
+    turn2 = pool.select(make_request({"input_ids": [*prompt, 9], "lora_path": "job-a@1", "session_id": "s"}))
+    assert turn2.sticky is StickyOutcome.HIT and turn2.engine is first.engine

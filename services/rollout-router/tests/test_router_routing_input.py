@@ -7,12 +7,12 @@ import json
 import pytest
 
 from miles.router.errors import InvalidRoutingInputError
-from miles.router.radix import encode_text, encode_token_ids
+from miles.router.radix import encode_namespace, encode_text, encode_token_ids
 from miles.router.response_meta import SseTail, continuation_key, meta_from_body
-from miles.router.routing_input import parse_routing_input
+from miles.router.routing_input import RoutingInput, parse_routing_input
 
 
-def parse(route: str, body: object, **headers: str) -> object:
+def parse(route: str, body: object, **headers: str) -> RoutingInput:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     normalized = {name.replace("_", "-").lower(): value for name, value in headers.items()}
     return parse_routing_input(route, normalized, raw, "default")
@@ -115,3 +115,34 @@ def test_delta_stream_output_is_not_learned() -> None:
     chunk = {"output_ids": [9], "meta_info": {"prompt_tokens": 4, "completion_tokens": 3}}
     meta = meta_from_body(json.dumps(chunk).encode())
     assert meta is not None and meta.output_ids is None
+
+
+def test_lora_requests_are_keyed_under_their_adapter() -> None:
+    request = parse("/generate", {"input_ids": [1, 2, 3], "lora_path": "job@4", "session_id": "s1"})
+    header, tokens = encode_namespace("job@4"), encode_token_ids([1, 2, 3])
+    assert tokens is not None and request.prefix_key == header + tokens and request.is_token_key
+    assert (request.lora_path, request.namespace_units, request.num_tokens) == ("job@4", 7, 3)
+    assert request.routing_key == "job@4\0s1"
+    by_header = parse("/generate", {"text": "hi", "lora_path": "job@4"}, x_smg_routing_key="k")
+    assert by_header.prefix_key == header + encode_text("hi") and by_header.routing_key == "job@4\0k"
+    batch = parse("/generate", {"input_ids": [[1], [2]], "lora_path": ["job@4", None]})
+    assert batch.prefix_key == header + tokens[:4]
+    for base in (
+        {"input_ids": [1, 2, 3], "lora_path": None, "session_id": "s1"},
+        {"input_ids": [1, 2, 3], "lora_path": 5, "session_id": "s1"},
+    ):
+        plain = parse("/generate", base)
+        assert (plain.prefix_key, plain.routing_key, plain.namespace_units) == (tokens, "s1", 0)
+    promptless = parse("/generate", {"lora_path": "job@4"})
+    assert (promptless.prefix_key, promptless.namespace_units) == (b"", 0)
+
+
+def test_namespace_headers_never_prefix_each_other_or_base_keys() -> None:
+    assert not encode_namespace("job@10").startswith(encode_namespace("job@1"))
+    assert encode_token_ids([0xFFFFFFFE, 1]) is None  # the namespace marker is no token id
+    assert not encode_text("x").startswith(encode_namespace("")[:4])
+
+
+def test_a_lone_surrogate_in_text_still_routes() -> None:
+    request = parse("/generate", b'{"text": "a\\ud800b", "lora_path": "x\\udfff"}')
+    assert request.prefix_key == encode_namespace("x\udfff") + encode_text("a\ud800b")

@@ -10,6 +10,7 @@ gone, task cancelled) aborts its unfinished sequences.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import secrets
 import time
@@ -69,7 +70,9 @@ class Engine:
         resolve_lora = self.adapters.resolve if self.adapters.enabled else None
         plan = plan_generate(request, self.tokenizer, self.limits, resolve_lora)
         self._check_rids(plan)
-        return plan
+        # Resolved and held in one go (no await between): an unload from now on waits for this request.
+        hold = self.adapters.hold(s.lora_id for s in plan.sequences)
+        return plan if hold is None else dataclasses.replace(plan, adapter_hold=hold)
 
     def _check_min_weight_version(self, required: int | None) -> None:
         if required is None:
@@ -123,6 +126,12 @@ class Engine:
             self._leave(builders)
 
     async def _start(self, plan: GeneratePlan) -> tuple[list[ResponseBuilder], _Updates]:
+        try:
+            return await self._submit(plan)
+        finally:
+            plan.release_adapters()  # its sequences are in the scheduler now (or never will be)
+
+    async def _submit(self, plan: GeneratePlan) -> tuple[list[ResponseBuilder], _Updates]:
         self._check_rids(plan)  # again: another request may have taken a rid since plan()
         self._inflight_rids.update(s.rid for s in plan.sequences)
         try:

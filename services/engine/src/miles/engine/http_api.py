@@ -86,6 +86,10 @@ FlushTimeout = Annotated[
     float, Query(ge=0.0, allow_inf_nan=False, description="Seconds to wait for the engine to become idle")
 ]
 """/flush_cache's `timeout`: SGLang's bound (>= 0), and finite, so that a busy engine always answers."""
+LoadSections = Annotated[
+    str, Query(description="Comma-separated sections: core (always), lora or all (adds `lora`); others are ignored")
+]
+"""/v1/loads' `include` (SGLang's)."""
 _BODY_PARSE_DETAIL = "There was an error parsing the body"
 """FastAPI's 400 for a JSON body that is not UTF-8 text."""
 
@@ -163,8 +167,8 @@ def add_generation_routes(router: APIRouter, engine: Engine, settings: EngineSet
         return models(engine, served)
 
     @router.get("/v1/loads")
-    async def get_loads() -> dict[str, Any]:
-        return loads(engine, settings)
+    async def get_loads(include: LoadSections = "core") -> dict[str, Any]:
+        return loads(engine, settings, include)
 
     @router.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:

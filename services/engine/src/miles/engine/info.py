@@ -2,6 +2,10 @@
 
 `version` reads "0.5.23+miles.engine.<ours>": the SGLang release whose protocol this engine follows
 (docs/sglang-protocol.md), with a local part saying what it really is.
+
+LoRA (docs/sglang-protocol.md §10): /server_info reports SGLang's LoRA server args plus the adapters loaded now;
+/v1/loads reports a `lora` section when `include` names `lora` or `all` (the other optional sections, memory, spec,
+disagg and queues, are not reported).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def server_info(engine: Engine, settings: EngineSettings, served: ServedModel) -
         "enable_return_routed_experts": settings.enable_return_routed_experts,
         "fake_model": settings.fake_model,
         "weight_version": engine.scheduler.weight_version,
+        **lora_server_args(engine, settings),
         "device": engine.runner.device,
         "version": ENGINE_VERSION,
         "internal_states": [
@@ -95,9 +100,44 @@ def models(engine: Engine, served: ServedModel) -> dict[str, Any]:
     }
 
 
-def loads(engine: Engine, settings: EngineSettings) -> dict[str, Any]:
+def lora_server_args(engine: Engine, settings: EngineSettings) -> dict[str, Any]:
+    """SGLang's LoRA server args as given (max_loaded_loras with its default applied), and, a miles addition,
+    `loaded_lora_adapters`: lora_name -> lora_path of every adapter loaded now (SGLang's `loaded_adapters`)."""
+    return {
+        "enable_lora": settings.enable_lora,
+        "lora_paths": list(settings.lora_paths),
+        "max_loras_per_batch": settings.max_loras_per_batch,
+        "max_loaded_loras": settings.effective_max_loaded_loras,
+        "max_lora_rank": settings.max_lora_rank,
+        "lora_target_modules": settings.lora_target_modules,
+        "loaded_lora_adapters": engine.adapters.loaded,
+    }
+
+
+def lora_load(engine: Engine) -> dict[str, Any] | None:
+    """/v1/loads' `lora` section: SGLang's slot fields, where a slot is a resident adapter (every adapter is
+    resident here, so slots_total is max_loaded_loras; an adapter unloading holds its slot until its requests
+    end), plus the loaded adapters and how many are unloading. None (JSON null) without --enable-lora."""
+    adapters = engine.adapters
+    if not adapters.enabled:
+        return None
+    loaded = adapters.loaded
+    used = len(loaded) + adapters.num_unloading
+    total = adapters.max_loaded_loras
+    return {
+        "slots_used": used,
+        "slots_total": total,
+        "utilization": used / total if total else 0.0,
+        "loaded_adapters": loaded,
+        "num_unloading_adapters": adapters.num_unloading,
+    }
+
+
+def loads(engine: Engine, settings: EngineSettings, include: str = "core") -> dict[str, Any]:
+    """/v1/loads; `include` is SGLang's comma-separated list of sections (core is always there)."""
+    sections = {part.strip() for part in include.split(",")}
     snapshot = engine.scheduler.snapshot()
-    load = {
+    load: dict[str, Any] = {
         "dp_rank": 0,
         "num_running_reqs": snapshot.num_running_reqs,
         "num_waiting_reqs": snapshot.num_waiting_reqs,
@@ -111,6 +151,8 @@ def loads(engine: Engine, settings: EngineSettings) -> dict[str, Any]:
         "cache_hit_rate": snapshot.cache_hit_rate,
         "utilization": snapshot.num_running_reqs / settings.max_running_requests,
     }
+    if sections & {"lora", "all"}:
+        load["lora"] = lora_load(engine)
     timestamp = datetime.datetime.now(datetime.UTC).isoformat()
     return {"timestamp": timestamp, "version": ENGINE_VERSION, "loads": [load]}
 

@@ -72,6 +72,7 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         )
     runner.warmup()
     served_name = settings.resolved_served_model_name
+    engine_metrics = EngineMetrics(metrics, served_name)
     scheduler = Scheduler(
         runner,
         RadixCache(enabled=not settings.disable_radix_cache),
@@ -81,11 +82,11 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         max_running_requests=settings.max_running_requests,
         max_prefill_tokens=settings.max_prefill_tokens,
         weight_version=settings.weight_version,
-        metrics=EngineMetrics(metrics, served_name),
+        metrics=engine_metrics,
         max_loras_per_batch=settings.max_loras_per_batch,
     )
     scheduler.start()
-    adapters = _adapters(settings, runner, scheduler)
+    adapters = _adapters(settings, runner, scheduler, engine_metrics)
     limits = Limits(
         vocab_size=info.vocab_size,
         context_length=settings.context_length or info.max_position_embeddings,
@@ -103,14 +104,15 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
     return Engine(scheduler, runner, tokenizer, limits, update_groups, adapters), served
 
 
-def _adapters(settings: EngineSettings, runner: Runner, scheduler: Scheduler) -> Adapters:
+def _adapters(settings: EngineSettings, runner: Runner, scheduler: Scheduler, metrics: EngineMetrics) -> Adapters:
     """The LoRA registry, with --lora-paths loaded (a ConfigError when one is refused)."""
     adapters = Adapters(
         runner,
         scheduler,
         settings.lora_limits,
         enabled=settings.enable_lora,
-        max_loaded_loras=settings.max_loaded_loras or settings.max_loras_per_batch,
+        max_loaded_loras=settings.effective_max_loaded_loras,
+        metrics=metrics,
     )
     for spec in settings.lora_paths:
         name, path = parse_lora_path_spec(spec)

@@ -3,16 +3,34 @@ alerts written for SGLang pods read a miles-engine unchanged, plus our own under
 
 All live in the process registry of `miles.common.telemetry.Metrics` and are served by /metrics. Requests the
 engine makes for itself (/health_generate, the n>1 prefix warm-up) are not counted.
+
+LoRA: generated tokens are also counted per adapter *job* (`job`: the job part of an adapter named
+`<job_id>@<version>`, miles.common.contracts.adapters; "base" for the base model; "other" for an adapter name of
+another form). A job's series is removed once no adapter of it is loaded any more, so the label set stays bounded
+by the jobs being served (a job id spelled "base" or "other" would share that series).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
+from miles.common.contracts.adapters import parse_adapter_name
 from miles.common.telemetry import LATENCY_BUCKETS_S, Metrics
 from miles.engine.requests import FinishReason, LoadSnapshot, Sequence
 
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BASE_JOB = "base"
+"""The `job` label of requests served by the base model (no adapter)."""
+OTHER_JOB = "other"
+"""The `job` label of adapters whose name is not `<job_id>@<version>`."""
+
+
+def adapter_job(lora_name: str) -> str:
+    """The `job` label of an adapter's requests: the job of `<job_id>@<version>`, else OTHER_JOB."""
+    parsed = parse_adapter_name(lora_name)
+    return OTHER_JOB if parsed is None else parsed[0]
 
 
 class EngineMetrics:
@@ -73,6 +91,16 @@ class EngineMetrics:
         )
         self._evicted_reported = 0
         self.retractions = metrics.counter("retracted_requests", "Requests moved back to the queue by pause(retract)")
+        self.loaded_lora_adapters = metrics.gauge(
+            "loaded_lora_adapters", "LoRA adapters resident: loaded, or unloading until their last request ends"
+        )
+        self.lora_loads = metrics.counter("lora_adapter_loads", "/load_lora_adapter calls, by outcome", ["outcome"])
+        self.lora_unloads = metrics.counter(
+            "lora_adapter_unloads", "/unload_lora_adapter calls, by outcome", ["outcome"]
+        )
+        self.job_generated_tokens = metrics.counter(
+            "generated_tokens", "Generated tokens of finished requests, by adapter job (base: no adapter)", ["job"]
+        )
 
     def publish(self, snapshot: LoadSnapshot, num_cached_tokens: int, num_evicted_tokens_total: int) -> None:
         """Set the gauges from the scheduler's state (called after every scheduler step)."""
@@ -107,9 +135,12 @@ class EngineMetrics:
         if not seq.internal and seq.num_retractions == 0:
             self.queue_time_s.observe(now_s - seq.arrival_time_s)
 
-    def observe_finish(self, seq: Sequence, reason: FinishReason, now_s: float) -> None:
+    def observe_finish(self, seq: Sequence, reason: FinishReason, now_s: float, job: str = BASE_JOB) -> None:
+        """A request ended; `job` labels its generated tokens (adapter_job, BASE_JOB without an adapter)."""
         if seq.internal:
             return
+        if seq.output_ids:
+            self.job_generated_tokens.labels(job).inc(len(seq.output_ids))
         self.num_requests.inc()
         if reason.kind == "abort":
             self.num_aborted_requests.inc()
@@ -124,3 +155,14 @@ class EngineMetrics:
         if ok:
             self.weight_load_s.labels(self._model_name, source).observe(duration_s)
         self.weight_updates.labels(source, "ok" if ok else "failed").inc()
+
+    def observe_lora_update(self, kind: str, ok: bool) -> None:
+        """A load or unload (`kind`) was done (for an unload: the adapter left the registry) or refused."""
+        counter = self.lora_loads if kind == "load" else self.lora_unloads
+        counter.labels("ok" if ok else "refused").inc()
+
+    def forget_job(self, job: str) -> None:
+        """Drop a job's generated-tokens series (its last adapter was unloaded); the base model's stays."""
+        if job != BASE_JOB:
+            with contextlib.suppress(KeyError):  # no request of it finished: the series never existed
+                self.job_generated_tokens.remove(job)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from miles.engine.adapters import LORA_NOT_ENABLED, lora_namespace
+from miles.engine.adapters import LORA_NOT_ENABLED, AdapterHold, lora_namespace
 from miles.engine.errors import BadRequestError
 from miles.engine.protocol import GenerateRequest
 from miles.engine.radix_cache import CacheNamespace
@@ -49,6 +49,12 @@ class GeneratePlan:
     return_prompt_token_ids: bool
     warmup_prompts: list[tuple[list[int], CacheNamespace, str | None]]
     """(prompt, namespace, lora_id) to prefill once before n > 1 samples."""
+    adapter_hold: AdapterHold | None = field(default=None, compare=False)
+    """The adapters the plan resolved, kept from unloading until its sequences are submitted (Engine.plan)."""
+
+    def release_adapters(self) -> None:
+        if self.adapter_hold is not None:
+            self.adapter_hold.release()
 
 
 @dataclass(frozen=True)

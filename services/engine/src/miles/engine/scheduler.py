@@ -21,7 +21,8 @@ none.
 
 LoRA adapters (adapters.py): a sequence runs with its own adapter (`lora_id`, part of its cache namespace); one
 step batches at most `max_loras_per_batch` distinct adapters (the runner groups a step's sequences by adapter).
-An unload waits for the adapter's last queued or running sequence, then drops its weights and cache entries.
+An unload waits for the adapter's last queued or running sequence (they run to their end, never aborted), then
+drops its weights and cache entries.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from miles.common.contracts.engine_control import ENGINE_PAUSE_MODES
-from miles.engine.adapters import AdapterSlots, keep_all_but
+from miles.engine.adapters import AdapterSlots
 from miles.engine.metrics import EngineMetrics
 from miles.engine.radix_cache import RadixCache
 from miles.engine.requests import FinishReason, LoadSnapshot, Sequence, SeqUpdate, TokenLogprobs
@@ -158,14 +159,10 @@ class Scheduler:
 
         return self._call(command)
 
-    def add_adapter(self, lora_id: str, prepared: Any) -> Future[None]:
-        """Install a prepared LoRA adapter between steps (merged with the weights served then)."""
-
-        def command() -> None:
-            self._runner.add_adapter(lora_id, prepared)
-            self._adapters.live.add(lora_id)
-
-        return self._call(command)
+    def add_adapter(self, lora_id: str, prepared: Any, job: str) -> Future[None]:
+        """Install a prepared LoRA adapter between steps (merged with the weights served then); `job` labels the
+        tokens its requests generate (metrics.adapter_job)."""
+        return self._call(lambda: self._adapters.install(self._runner, lora_id, prepared, job))
 
     def remove_adapter(self, lora_id: str) -> Future[None]:
         """Refuse new sequences of `lora_id` now; resolves once its last sequence ended and it is dropped."""
@@ -248,7 +245,9 @@ class Scheduler:
         return False
 
     def _enqueue(self, seq: Sequence) -> None:
-        if seq.lora_id is not None and seq.lora_id not in self._adapters.live:  # unloaded since it was planned
+        # A planned request holds its adapters until here (adapters.AdapterHold): this refuses only a sequence
+        # submitted without a plan.
+        if seq.lora_id is not None and seq.lora_id not in self._adapters.live:
             self._finish(seq, FinishReason("abort", message="its LoRA adapter was unloaded", status_code=400))
             return
         seq.arrival_order = next(self._order)
@@ -351,7 +350,7 @@ class Scheduler:
         update = SeqUpdate(new_ids, new_entries, cached, input_logprobs, reason, self._weights.version, routed_experts)
         seq.emit(update)
         if self._metrics is not None:
-            self._metrics.observe_finish(seq, reason, time.monotonic())
+            self._metrics.observe_finish(seq, reason, time.monotonic(), self._adapters.job_of(seq.lora_id))
 
     def _abort_matching(self, predicate: Callable[[Sequence], bool]) -> int:
         targets = [s for s in (*self._pool.waiting, *self._pool.running) if predicate(s)]
@@ -370,10 +369,7 @@ class Scheduler:
 
     def _drop_unused_adapters(self) -> None:
         in_use = {s.lora_id for s in (*self._pool.waiting, *self._pool.running)}
-        for lora_id, future in self._adapters.due_removals(in_use):
-            self._runner.remove_adapter(lora_id)
-            self._cache.drop_namespaces(keep_all_but(lora_id))
-            future.set_result(None)
+        self._adapters.drop_unused(in_use, self._runner, self._cache, self._metrics)
 
     def _flush_if_idle(self) -> bool:
         if self._pool.running:

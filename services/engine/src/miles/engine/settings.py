@@ -115,8 +115,9 @@ class EngineSettings(ServiceSettings):
     """SGLang's --max-loras-per-batch: distinct adapters in one forward step (sequences of other adapters wait)."""
 
     max_loaded_loras: int | None = Field(default=None, ge=1)
-    """SGLang's --max-loaded-loras: adapters loaded at once; loading another is a 400 (default: max_loras_per_batch,
-    since every loaded adapter is resident here). At least max_loras_per_batch."""
+    """SGLang's --max-loaded-loras: adapters resident at once (default: max_loras_per_batch, since every loaded
+    adapter is resident here). At least max_loras_per_batch. Loading another while that many are loaded is a 400;
+    while some of them are only unloading (their requests still running), the load waits for them."""
 
     max_lora_rank: int | None = Field(default=None, ge=1)
     """SGLang's --max-lora-rank: adapters of a higher rank `r` are refused (default: any rank)."""
@@ -152,6 +153,11 @@ class EngineSettings(ServiceSettings):
         if unknown:
             raise ValueError(f"lora_target_modules {sorted(unknown)} are not supported: {SUPPORTED_TARGET_MODULES}")
         return self
+
+    @property
+    def effective_max_loaded_loras(self) -> int:
+        """max_loaded_loras, or its default max_loras_per_batch."""
+        return self.max_loaded_loras or self.max_loras_per_batch
 
     @property
     def lora_limits(self) -> AdapterLimits:

@@ -8,7 +8,10 @@ so the scan that finds leaves runs rarely).
 
 Keys are `bytes` of 4-byte little-endian units (`encode_token_ids`), which keeps memory at 4 bytes per token
 and makes prefix comparison run in C. Text prompts are keyed as one marker unit followed by their code points
-(`encode_text`), so text never matches token ids. Lengths and budgets are in units (tokens, or characters).
+(`encode_text`), so text never matches token ids. A LoRA adapter's prompts are keyed behind a header naming the
+adapter (`encode_namespace`): engines never share KV across adapters or with the base model (SGLang folds the
+adapter into the radix cache's extra key), so neither does the tree. Lengths and budgets are in units (tokens, or
+characters; a header's units count too).
 
 Limits: an approximation of the engine's real cache (it cannot see evictions the engine makes); no locking
 (one event loop).
@@ -23,24 +26,39 @@ from collections.abc import Iterable, Iterator, Sequence
 
 UNIT_BYTES = 4
 _TEXT_MARKER = b"\xff\xff\xff\xff"
+_NAMESPACE_MARKER = b"\xfe\xff\xff\xff"
+_MARKER_IDS = (0xFFFFFFFF, 0xFFFFFFFE)
 if array.array("I").itemsize != UNIT_BYTES:  # pragma: no cover - true on every platform we build for
     raise ImportError("miles.router.radix needs a 4-byte array('I')")
 
 
 def encode_token_ids(token_ids: Sequence[int]) -> bytes | None:
-    """Token ids as a tree key, or None when an id is not an integer in [0, 2**32 - 1) (that value marks text)."""
+    """Token ids as a tree key, or None when an id is not an integer in [0, 2**32 - 2) (the two highest values
+    are the markers of text and of adapter namespaces)."""
     try:
         encoded = array.array("I", token_ids).tobytes()
     except (OverflowError, TypeError):
         return None
-    if 0xFFFFFFFF in token_ids:
+    if any(marker in token_ids for marker in _MARKER_IDS):
         return None
     return encoded
 
 
 def encode_text(text: str) -> bytes:
     """A text prompt as a tree key: a marker unit, then one unit per code point."""
-    return _TEXT_MARKER + text.encode("utf-32-le")
+    return _TEXT_MARKER + encode_code_points(text)
+
+
+def encode_code_points(text: str) -> bytes:
+    """One unit per code point (a lone surrogate, which JSON text may carry, is a unit like any other)."""
+    return text.encode("utf-32-le", "surrogatepass")
+
+
+def encode_namespace(lora_path: str) -> bytes:
+    """The header of an adapter's keys: the namespace marker, the adapter name's code points, the marker again.
+    A name's code points never equal the marker, so one header is never a prefix of another's, and keys without a
+    header (the base model's) start with a token id or the text marker, never with it."""
+    return _NAMESPACE_MARKER + encode_code_points(lora_path) + _NAMESPACE_MARKER
 
 
 def num_units(key: bytes) -> int:

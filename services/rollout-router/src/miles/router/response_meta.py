@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.common.contracts.weight_version import parse_weight_version
-from miles.router.radix import encode_token_ids
+from miles.router.radix import encode_code_points, encode_token_ids
 from miles.router.routing_input import ROUTE_GENERATE, RoutingInput
 
 _DONE = b"[DONE]"
@@ -99,7 +99,7 @@ def continuation_key(request: RoutingInput, meta: ResponseMeta) -> bytes:
         if not meta.output_ids or len(meta.output_ids) < 2:
             return b""
         return encode_token_ids(meta.output_ids[:-1]) or b""
-    return meta.output_text.encode("utf-32-le") if meta.output_text else b""
+    return encode_code_points(meta.output_text) if meta.output_text else b""
 
 
 class SseTail:

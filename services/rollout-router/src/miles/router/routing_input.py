@@ -2,13 +2,21 @@
 
 From headers: the pool (`X-Miles-Pool`), the routing key (`X-SMG-Routing-Key`), the minimum weight version
 (`X-Miles-Min-Weight-Version`). From the JSON body, when it is a JSON object: the routing key (`session_id`, then
-`session_params.id`) and `min_weight_version` when the headers do not carry them, and the prompt as a prefix-tree
+`session_params.id`) and `min_weight_version` when the headers do not carry them, the prompt as a prefix-tree
 key — `input_ids` when present, else the text (`text` for /generate, `prompt` for /v1/completions, the message
-contents joined by spaces for /v1/chat/completions, as the SGLang router does). A body that is not JSON (or not
-an object) routes by headers alone; the engine then answers it (e.g. 400), and that answer is passed through.
+contents joined by spaces for /v1/chat/completions, as the SGLang router does) — and the LoRA adapter
+(`lora_path`; absent or null: the base model). A body that is not JSON (or not an object) routes by headers alone;
+the engine then answers it (e.g. 400), and that answer is passed through.
 
-Limits: for batch requests (2-D input_ids, list prompts) only the first prompt is used as the prefix key; the
-token estimate of a text prompt is characters / 4.
+LoRA: an engine caches an adapter's KV apart from every other adapter's and the base model's, so the prefix key
+of an adapter's request starts with a header naming the adapter (radix.encode_namespace; the match rate counts
+the prompt only), and its routing key is the pair (lora_path, key): a session's KV lives under the adapter version
+it was served with, and the sessions of different jobs never share an entry. (The SGLang router, as read in
+docs/sglang-protocol.md §6.4, routes on the prompt text alone, whatever the adapter.)
+
+Limits: for batch requests (2-D input_ids, list prompts, a list of lora_path) only the first item is used; the
+token estimate of a text prompt is characters / 4; a routing key is joined to its lora_path by a NUL character,
+so a base-model key spelled `<lora_path>\0<key>` shares that adapter session's entry (only affinity is affected).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Any
 
 from miles.common.contracts import headers as header_names
 from miles.router.errors import InvalidRoutingInputError
-from miles.router.radix import encode_text, encode_token_ids, num_units
+from miles.router.radix import encode_namespace, encode_text, encode_token_ids, num_units
 
 # Looked up by lower-case name (Starlette's Headers match any spelling; tests pass plain dicts of lower-case names).
 POOL_HEADER = header_names.POOL_HEADER.lower()
@@ -43,6 +51,7 @@ class RoutingInput:
     route: str
     pool: str
     routing_key: str | None
+    """The session's key for affinity; `<lora_path>\0<key>` for an adapter's request (module docstring)."""
     min_weight_version: int | None
     prefix_key: bytes
     """Prompt as a radix-tree key (radix.encode_*); b"" when the body carried no usable prompt."""
@@ -50,6 +59,11 @@ class RoutingInput:
     """True when prefix_key holds token ids (then response output ids can extend it)."""
     num_tokens: int
     """Estimated prompt tokens, for load accounting (>= 1)."""
+    lora_path: str | None = None
+    """The LoRA adapter the request names (None: the base model)."""
+    namespace_units: int = 0
+    """Units at the head of prefix_key that name the adapter (radix.encode_namespace), not the prompt: 0 for the
+    base model."""
 
 
 def parse_routing_input(route: str, headers: Mapping[str, str], body: bytes, default_pool: str) -> RoutingInput:
@@ -63,14 +77,20 @@ def parse_routing_input(route: str, headers: Mapping[str, str], body: bytes, def
         num_tokens = num_units(prefix_key)
     else:
         num_tokens = max(1, num_units(prefix_key) // _CHARS_PER_TOKEN) if prefix_key else max(1, len(body) // 8)
+    lora_path = _lora_path(payload)
+    header = encode_namespace(lora_path) if lora_path is not None and prefix_key else b""
+    if lora_path is not None and routing_key is not None:
+        routing_key = f"{lora_path}\0{routing_key}"
     return RoutingInput(
         route=route,
         pool=pool,
         routing_key=routing_key,
         min_weight_version=min_version,
-        prefix_key=prefix_key,
+        prefix_key=header + prefix_key,
         is_token_key=is_token_key,
         num_tokens=max(1, num_tokens),
+        lora_path=lora_path,
+        namespace_units=num_units(header),
     )
 
 
@@ -94,6 +114,15 @@ def _body_routing_key(payload: dict[str, Any] | None) -> str | None:
         if isinstance(stateful_id, str) and stateful_id:
             return stateful_id
     return None
+
+
+def _lora_path(payload: dict[str, Any] | None) -> str | None:
+    """The adapter of the request (of its first item for a batch's list); None for the base model and for a value
+    that names no adapter (the engine answers that one)."""
+    value = payload.get("lora_path") if payload is not None else None
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, str) else None
 
 
 def _min_weight_version(headers: Mapping[str, str], payload: dict[str, Any] | None) -> int | None:

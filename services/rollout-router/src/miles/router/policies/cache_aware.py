@@ -21,7 +21,9 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def select(self, request: RoutingInput, candidates: Sequence[Engine]) -> Selection:
         tie_key = request.routing_key or str(next(self._counter))
-        engine, branch = self.index.choose(request.prefix_key, candidates, tie_key)
+        engine, branch = self.index.choose(
+            request.prefix_key, candidates, tie_key, namespace_units=request.namespace_units
+        )
         self.index.record(request.prefix_key, engine)
         return Selection(engine, branch)
 

@@ -18,7 +18,8 @@ For one request among the candidates:
 Differences from SGLang, on purpose: token ids instead of characters when the request has them; the winner is the
 candidate with the longest match (so an unavailable tenant on the deepest node costs nothing); the tree also
 learns each answer's output tokens (what the engine caches after the turn), so a conversation's next turn
-matches in full; an engine's entries are dropped when it loses its cache (new weights, restart).
+matches in full; an engine's entries are dropped when it loses its cache (new weights, restart); keys are
+namespaced by the request's LoRA adapter (routing_input.py), as the engines' caches are.
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ class PrefixIndex:
         load = engine.slots.load_requests
         return load - mean > margin and load > mean * self.config.balance_rel_threshold
 
-    def best_match(self, key: bytes, candidates: Sequence[Engine]) -> tuple[Engine | None, float]:
-        """The candidate holding the longest prefix of `key` (fewest load on ties) and its match rate."""
-        if not key:
+    def best_match(
+        self, key: bytes, candidates: Sequence[Engine], namespace_units: int = 0
+    ) -> tuple[Engine | None, float]:
+        """The candidate holding the longest prefix of `key` (fewest load on ties) and its match rate. The first
+        `namespace_units` of the key name an adapter (radix.encode_namespace): they count in neither the match nor
+        the prompt, so other prompts of the same adapter are no hit."""
+        if num_units(key) <= namespace_units:
             return None, 0.0
         matched = self.tree.match(key)
         best: Engine | None = None
@@ -75,7 +80,8 @@ class PrefixIndex:
                 best is not None and length == best_len and engine.slots.load_requests < best.slots.load_requests
             ):
                 best, best_len = engine, length
-        return best, best_len / num_units(key)
+        prompt_matched = max(0, best_len - namespace_units)
+        return best, prompt_matched / (num_units(key) - namespace_units)
 
     def choose(
         self,
@@ -83,12 +89,13 @@ class PrefixIndex:
         candidates: Sequence[Engine],
         tie_key: str,
         num_keys: Callable[[str], int] | None = None,
+        namespace_units: int = 0,
     ) -> tuple[Engine, str]:
         """cache_aware steps 1-2: (engine, branch) with branch in imbalanced | prefix | low_match. `num_keys` breaks
-        least-loaded ties by fewest sticky sessions (see base.least_loaded)."""
+        least-loaded ties by fewest sticky sessions (see base.least_loaded); `namespace_units` as in best_match."""
         if len(candidates) > 1 and self.is_imbalanced(candidates):
             return least_loaded(candidates, tie_key, num_keys), "imbalanced"
-        best, rate = self.best_match(key, candidates)
+        best, rate = self.best_match(key, candidates, namespace_units)
         if best is not None and rate > self.config.cache_threshold:
             if len(candidates) > 1 and self.spills(best, candidates):
                 return least_loaded(candidates, tie_key, num_keys), "spill"

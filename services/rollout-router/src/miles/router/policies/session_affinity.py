@@ -13,6 +13,8 @@
   find their shared prompt) at the same balance; the bound matters, without it a system prompt that every
   session shares pulled every new session onto one engine.
 - No key → placed like a new key, and nothing is remembered.
+Keys of LoRA requests are (lora_path, session) pairs (routing_input.py): a session's KV lives under the adapter
+version it was served with, so a turn under a new version is a new key, placed where that version's prefixes are.
 Engines that join take no existing session (that would cost a cache miss); they fill up with new keys.
 
 Limits: the sticky table lives in this router process; with several router replicas use new_key_placement=hash
@@ -122,7 +124,9 @@ class SessionAffinityPolicy(RoutingPolicy):
             return self._rehome(tie_key, candidates), "hash"
         if placement == "prefix" and self.index is not None:
             eligible = self._under_load_bound(candidates)
-            engine, branch = self.index.choose(request.prefix_key, eligible, tie_key, self.num_sticky_keys)
+            engine, branch = self.index.choose(
+                request.prefix_key, eligible, tie_key, self.num_sticky_keys, request.namespace_units
+            )
             self.index.record(request.prefix_key, engine)
             return engine, branch
         return least_loaded(candidates, tie_key, self.num_sticky_keys), "least_load"
