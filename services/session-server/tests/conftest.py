@@ -194,7 +194,8 @@ class ScriptedEngine(_ThreadServer):
     with an earlier prompt (a radix cache's answer). With `return_routed_experts` it answers routing as SGLang
     does for a MoE model of ROUTING_LAYERS x ROUTING_TOP_K of ROUTING_EXPERTS experts (`routing_ids`: a function of
     the tokens up to each position, so prefix-consistent like a real engine's); `routing_rows_delta` answers that
-    many rows more (negative: fewer), `omit_routing` none.
+    many rows more (negative: fewer), `omit_routing` none. With `loaded_adapters` set, a `lora_path` outside it is
+    SGLang's 400 "not loaded"; `on_generate(body)` runs (in the engine's thread) before each answer.
     """
 
     ROUTING_LAYERS, ROUTING_TOP_K, ROUTING_EXPERTS = 4, 2, 8
@@ -208,6 +209,8 @@ class ScriptedEngine(_ThreadServer):
         """(status, body) answered instead of the next generations, in order."""
         self.routing_rows_delta = 0
         self.omit_routing = False
+        self.loaded_adapters: set[str] | None = None
+        self.on_generate: Callable[[dict[str, Any]], None] | None = None
         self._seen: list[list[int]] = []
         self._num_calls = 0
 
@@ -273,11 +276,20 @@ class ScriptedEngine(_ThreadServer):
         async def generate(request: Request) -> Any:
             body = await request.json()
             self.requests.append({"body": body, "headers": dict(request.headers)})
+            if self.on_generate is not None:
+                self.on_generate(body)
             if self.fail_next:
                 status, payload = self.fail_next.pop(0)
                 if isinstance(payload, str):
                     return PlainTextResponse(payload, status_code=status)
                 return JSONResponse(payload, status_code=status)
+            lora_path = body.get("lora_path")
+            if lora_path is not None and self.loaded_adapters is not None and lora_path not in self.loaded_adapters:
+                message = (
+                    f"The following requested LoRA adapters are not loaded: {lora_path}\n"
+                    f"Loaded adapters: {', '.join(sorted(self.loaded_adapters))}"
+                )
+                return JSONResponse({"error": {"message": message}}, status_code=400)
             prompt = body["input_ids"]
             text = self.script[self._num_calls % len(self.script)]
             self._num_calls += 1

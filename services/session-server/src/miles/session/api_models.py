@@ -111,6 +111,12 @@ class JobConfigBody(BaseModel):
         description="The job's sessions are trees unless a session asks otherwise: a turn may fork from any "
         "earlier node, retry deep in the history, or start a new root (compaction); samples are one per leaf path",
     )
+    lora_adapter: bool = Field(
+        default=False,
+        description="A LoRA job on a shared engine pool: every generate request of the job names its live adapter "
+        "version (`lora_path`), which the trainer sets with PUT /v1/jobs/{job_id}/adapter; turns record that "
+        "version",
+    )
 
     _sampling = field_validator("sampling_defaults")(check_sampling_keys)
 
@@ -123,6 +129,22 @@ class JobConfigBody(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError(f"roles must be unique (got {value})")
         return value
+
+
+class JobAdapterBody(BaseModel):
+    """PUT /v1/jobs/{job_id}/adapter (the trainer, after loading the version into every engine of the pool) and its
+    answer, as GET returns it: the adapter version the job's turns are served with from now on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="The SGLang lora_name the version is loaded under: `<job_id>@<weight_version>`",
+    )
+    weight_version: int = Field(
+        ge=0, strict=True, description="The adapter version; never lower than the live one (equal: idempotent)"
+    )
 
 
 class CreateSessionRequest(BaseModel):

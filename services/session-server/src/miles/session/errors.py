@@ -99,6 +99,30 @@ class TreeFullError(ConflictError):
     code = "session_tree_full"
 
 
+class AdapterNotFoundError(NotFoundError):
+    """A LoRA job has no live adapter yet (the trainer has not published a version)."""
+
+    code = "adapter_not_found"
+
+
+class AdapterNotEnabledError(ConflictError):
+    """An adapter was set for a job whose config does not have lora_adapter on."""
+
+    code = "adapter_not_enabled"
+
+
+class AdapterVersionRegressedError(ConflictError):
+    """An adapter was set with a lower weight_version than the job's live one."""
+
+    code = "adapter_version_regressed"
+
+
+class AdapterNotPublishedError(UnavailableError):
+    """A LoRA job's turn found no live adapter within adapter_wait_s; retry once the trainer published one."""
+
+    code = "adapter_not_published"
+
+
 class InvalidJobConfigError(InvalidArgumentError):
     """A job model config names a model directory, family or kwargs that cannot be served."""
 
@@ -166,6 +190,10 @@ class UpstreamRoutingMismatchError(UpstreamMalformedError):
 
 
 __all__ = [
+    "AdapterNotEnabledError",
+    "AdapterNotFoundError",
+    "AdapterNotPublishedError",
+    "AdapterVersionRegressedError",
     "ChatTemplateKwargConflictError",
     "IdempotencyKeyReusedError",
     "InvalidJobConfigError",

@@ -2,7 +2,8 @@
 
 Auth: session routes need `Authorization: Bearer <the session's capability token>` (the agent's OpenAI api_key)
 or the operator token; no token -> 401, another token -> 403, checked before anything is read or written.
-Operator routes (job configs, creating and listing sessions) need the operator token when one is configured.
+Operator routes (job configs and adapters, creating and listing sessions) need the operator token when one is
+configured.
 Bodies are parsed here: invalid JSON or fields, NaN / Infinity, lone surrogates -> 400 naming the field (422 for
 POST /v1/sessions, whose schema the OpenAPI states exactly); larger than max_body_bytes -> 413.
 `POST /v1/sessions` takes an optional `Idempotency-Key` header (see `SessionCore.create`): a replay answers 200 with
@@ -27,11 +28,13 @@ from miles.common.errors import MilesError
 from miles.common.http import create_http_app, error_response
 from miles.common.telemetry import Metrics
 from miles.session import openai_format, samples_wire
+from miles.session.adapters import JobAdapters
 from miles.session.api_models import (
     JOB_ID_PATTERN,
     ChatCompletionRequest,
     CreateSessionRequest,
     CreateSessionResponse,
+    JobAdapterBody,
     JobConfigBody,
     SamplesRequest,
 )
@@ -44,6 +47,8 @@ from miles.session.errors import (
     WrongTokenError,
 )
 from miles.session.openapi_docs import (
+    ADAPTER_GET_RESPONSES,
+    ADAPTER_PUT_RESPONSES,
     CHAT_EXAMPLES,
     CHAT_RESPONSES,
     CREATE_RESPONSES,
@@ -308,15 +313,37 @@ def _job_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         return Response(status_code=204)
 
 
+def _adapter_routes(router: APIRouter, adapters: JobAdapters, auth: Auth) -> None:
+    @router.put(
+        "/v1/jobs/{job_id}/adapter",
+        response_model=JobAdapterBody,
+        responses={**OPERATOR_RESPONSES, **ADAPTER_PUT_RESPONSES, **TOO_LARGE},
+        openapi_extra=body_schema(JobAdapterBody),
+    )
+    async def put_job_adapter(job_id: JobId, request: Request) -> dict[str, Any]:
+        auth.require_operator(request)
+        return (await adapters.put(job_id, await parse_body(request, JobAdapterBody))).to_json()
+
+    @router.get(
+        "/v1/jobs/{job_id}/adapter",
+        response_model=JobAdapterBody,
+        responses={**OPERATOR_RESPONSES, **ADAPTER_GET_RESPONSES},
+    )
+    async def get_job_adapter(job_id: JobId, request: Request) -> dict[str, Any]:
+        auth.require_operator(request)
+        return (await adapters.get(job_id)).to_json()
+
+
 def build_app(
     core: SessionCore,
+    adapters: JobAdapters,
     metrics: Metrics,
     *,
     operator_token: str,
     max_body_bytes: int,
     on_shutdown: Callable[[], Any] | None = None,
 ) -> FastAPI:
-    """The session-server app: common probes/metrics/tracing/error mapping + the session and job routes."""
+    """The session-server app: common probes/metrics/tracing/error mapping + the session, job and adapter routes."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -345,6 +372,7 @@ def build_app(
     _create_route(router, core, auth)
     _session_routes(router, core, auth)
     _job_routes(router, core, auth)
+    _adapter_routes(router, adapters, auth)
     app.include_router(router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     return app

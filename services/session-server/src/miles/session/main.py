@@ -12,6 +12,7 @@ from miles.common.logs import configure_logging
 from miles.common.serve import serve_async
 from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
+from miles.session.adapters import JobAdapters
 from miles.session.core import SessionCore
 from miles.session.http_api import build_app
 from miles.session.metrics import SessionMetrics
@@ -39,7 +40,10 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
     )
     session_metrics = SessionMetrics(metrics)
     tree_limits = TreeLimits(max_nodes=settings.max_tree_nodes, max_tokens=settings.max_tree_tokens)
-    turns = TurnRunner(store=store, models=models, engine=engine, metrics=session_metrics, tree_limits=tree_limits)
+    adapters = JobAdapters(store, session_metrics, wait_s=settings.adapter_wait_s)
+    turns = TurnRunner(
+        store=store, models=models, engine=engine, metrics=session_metrics, tree_limits=tree_limits, adapters=adapters
+    )
     core = SessionCore(settings=settings, store=store, models=models, turns=turns, metrics=session_metrics)
 
     async def close() -> None:
@@ -50,7 +54,12 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
     if not operator_token:
         logger.warning("no operator_token: operator routes are open to local callers (loopback development mode)")
     return build_app(
-        core, metrics, operator_token=operator_token, max_body_bytes=settings.max_body_bytes, on_shutdown=close
+        core,
+        adapters,
+        metrics,
+        operator_token=operator_token,
+        max_body_bytes=settings.max_body_bytes,
+        on_shutdown=close,
     )
 
 

@@ -1,6 +1,8 @@
 """Prometheus metrics of the session-server (`miles_session_*`), on the process's `Metrics("session")` registry.
 
-Labels are bounded (results, phases, error codes, kinds); never a session, job or request id. Prefix hit rate is
+Labels are bounded (results, phases, error codes, kinds); never a session or request id. The one exception to
+"no ids" is `job_id` on the per-job token counters: jobs sharing an engine pool (LoRA jobs) are accounted per job,
+and a job lives for a whole training run (sessions without a job count under job_id ""). Prefix hit rate is
 `rate(miles_session_cached_tokens_total) / rate(miles_session_prompt_tokens_total)`: both come from the engine's
 own `cached_tokens` / `prompt_tokens`, so it holds for any engine behind the router.
 """
@@ -35,6 +37,16 @@ class SessionMetrics:
         )
         self.prompt_tokens = metrics.counter("prompt_tokens", "Prompt tokens sent to the engine (tokens in)")
         self.completion_tokens = metrics.counter("completion_tokens", "Tokens sampled by the engine (tokens out)")
+        self.job_prompt_tokens = metrics.counter(
+            "job_prompt_tokens",
+            "Prompt tokens sent to the engine, per job (resource accounting on a shared pool)",
+            ["job_id"],
+        )
+        self.job_completion_tokens = metrics.counter(
+            "job_completion_tokens",
+            "Tokens sampled by the engine, per job (resource accounting on a shared pool)",
+            ["job_id"],
+        )
         self.cached_tokens = metrics.counter("cached_tokens", "Prompt tokens the engine served from its prefix cache")
         self.appended_tokens = metrics.counter("appended_tokens", "Prompt tokens TITO encoded (new messages only)")
         self.turn_duration_s = metrics.histogram("turn_duration_seconds", "Chat turn latency, seconds")
@@ -59,6 +71,10 @@ class SessionMetrics:
         self.routing_row_mismatches = metrics.counter(
             "routing_row_mismatches",
             "Turns whose engine answer had no routed experts or another number of rows than asked for (refused)",
+        )
+        self.adapter_retries = metrics.counter(
+            "adapter_retries",
+            "LoRA turns sent again with the job's new live adapter after the engine no longer had the one they named",
         )
         self.tito: TitoMetrics = register_tito_metrics(metrics)
         for result in TURN_RESULTS:

@@ -90,7 +90,8 @@ CHAT_RESPONSES: Responses = {
     },
     503: {
         "description": "The rollout router / engine cannot be reached, timed out, is overloaded or aborted the "
-        "generation; or the store cannot be reached or the session is busy; retry"
+        "generation; or the store cannot be reached or the session is busy; or, for a LoRA job, no adapter "
+        "version was published within adapter_wait_s (adapter_not_published); retry"
     },
 }
 SAMPLES_RESPONSES: Responses = {
@@ -106,6 +107,19 @@ SAMPLES_RESPONSES: Responses = {
     },
     400: {"description": BAD_BODY},
     422: {"description": "The session id breaks its bounds, or the records do not reconstruct its token buffer"},
+}
+ADAPTER_PUT_RESPONSES: Responses = {
+    200: {"description": "The job's live adapter: this one (or the same version again, an idempotent repeat)"},
+    400: {"description": f"{BAD_BODY}; or a lora_name that is not `<job_id>@<weight_version>`"},
+    404: JOB_NOT_FOUND[404],
+    409: {
+        "description": "The job's config has lora_adapter false (adapter_not_enabled), or weight_version is lower "
+        "than the live adapter's (adapter_version_regressed)"
+    },
+}
+ADAPTER_GET_RESPONSES: Responses = {
+    200: {"description": "The job's live adapter"},
+    404: {"description": "The job has no live adapter: unknown job, or none published yet (adapter_not_found)"},
 }
 CREATE_RESPONSES: Responses = {
     201: {"description": "The new session: give `base_url` and `token` to the agent"},

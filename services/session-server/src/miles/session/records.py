@@ -60,6 +60,8 @@ class ModelConfig:
     """The roles the job's sessions may take (multi-agent episodes); empty: sessions have no role."""
     tree_sessions: bool = False
     """The job's sessions are trees (tree.py) unless a session asks otherwise."""
+    lora_adapter: bool = False
+    """A LoRA job on a shared engine pool: every generate request names the job's live adapter (adapters.py)."""
 
     def to_json(self) -> Json:
         return asdict(self)
@@ -80,7 +82,25 @@ class ModelConfig:
             record_routing=bool(data.get("record_routing", False)),
             roles=[str(role) for role in data.get("roles") or []],
             tree_sessions=bool(data.get("tree_sessions", False)),
+            lora_adapter=bool(data.get("lora_adapter", False)),
         )
+
+
+@dataclass(frozen=True)
+class LiveAdapter:
+    """The adapter version a LoRA job's turns are served with now (PUT /v1/jobs/{job_id}/adapter).
+
+    Invariant (checked when it is set): `lora_name` is `adapter_name(job_id, weight_version)`."""
+
+    lora_name: str
+    weight_version: int
+
+    def to_json(self) -> Json:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Json) -> LiveAdapter:
+        return cls(lora_name=str(data["lora_name"]), weight_version=int(data["weight_version"]))
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,10 @@ class SessionSettings(ServiceSettings):
     upstream_retry_after_s: float = Field(default=2.0, gt=0)
     """Retry-After sent with a 503 when the upstream is unreachable or aborted the generation."""
 
+    adapter_wait_s: float = Field(default=60.0, gt=0)
+    """How long a turn of a LoRA job (job config lora_adapter) waits for the job's first live adapter version
+    before a 503 adapter_not_published; the trainer publishes one before the job's first rollouts."""
+
     operator_token: SecretStr = SecretStr("")
     """Bearer token of operators and of the platform itself (controller, rollout workers): registers job configs,
     creates, lists and deletes sessions. 32+ characters; required unless `host` is a loopback address."""

@@ -15,6 +15,8 @@ Backends: `RedisStore` (default; every replica shares it, so any replica serves 
 - a session expires `ttl_s` after its creation or last commit; `reap()` counts expiries once across replicas.
 - an Idempotency-Key of a create is stored with its session (`create(meta, idempotency)` claims it atomically)
   and expires, or is deleted, with it; `rotate_token` replaces the session's token hash (a replay's new token).
+- a job's config and its live adapter (a LoRA job, adapters.py) never expire; `set_adapter` is atomic and never
+  lowers the version; deleting the config deletes the adapter.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Protocol
 from miles.session.records import (
     CommitOutcome,
     IdempotencyRecord,
+    LiveAdapter,
     ModelConfig,
     SessionMeta,
     SessionState,
@@ -118,7 +121,18 @@ class SessionStore(Protocol):
 
     async def get_job_config(self, job_id: str) -> ModelConfig | None: ...
 
-    async def delete_job_config(self, job_id: str) -> bool: ...
+    async def delete_job_config(self, job_id: str) -> bool:
+        """Delete the job's config and its live adapter; False when there was no config."""
+        ...
+
+    async def set_adapter(self, job_id: str, adapter: LiveAdapter) -> LiveAdapter | None:
+        """Make `adapter` the job's live one unless the held one has a higher weight_version, in one atomic step.
+        The live adapter after the call (the held one when it is newer); None when the job has no config."""
+        ...
+
+    async def get_adapter(self, job_id: str) -> LiveAdapter | None:
+        """The job's live adapter; None when none was set (or the job has no config)."""
+        ...
 
 
 def make_store(settings: SessionSettings) -> SessionStore:

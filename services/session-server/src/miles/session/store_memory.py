@@ -17,6 +17,7 @@ from miles.session.errors import SessionBusyError
 from miles.session.records import (
     CommitOutcome,
     IdempotencyRecord,
+    LiveAdapter,
     ModelConfig,
     SessionMeta,
     SessionState,
@@ -46,6 +47,7 @@ class MemoryStore:
         self._sessions: dict[str, _Entry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._job_configs: dict[str, ModelConfig] = {}
+        self._adapters: dict[str, LiveAdapter] = {}
         self._idempotency: dict[str, IdempotencyRecord] = {}
         self._lock_wait_s = lock_wait_s
 
@@ -207,4 +209,17 @@ class MemoryStore:
         return self._job_configs.get(job_id)
 
     async def delete_job_config(self, job_id: str) -> bool:
+        self._adapters.pop(job_id, None)
         return self._job_configs.pop(job_id, None) is not None
+
+    async def set_adapter(self, job_id: str, adapter: LiveAdapter) -> LiveAdapter | None:
+        if job_id not in self._job_configs:
+            return None
+        held = self._adapters.get(job_id)
+        if held is not None and held.weight_version > adapter.weight_version:
+            return held
+        self._adapters[job_id] = adapter
+        return adapter
+
+    async def get_adapter(self, job_id: str) -> LiveAdapter | None:
+        return self._adapters.get(job_id)

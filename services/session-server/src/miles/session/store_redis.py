@@ -10,7 +10,7 @@ Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together
 - `P:s:{id}:nodes`, `:node_ids`, `:node_routing`: a tree session's nodes (store_redis_tree.py).
 - `P:s:{id}:lock` the per-session lock: a lease (SET NX PX) released by compare-and-delete.
 - `P:live` sorted set of session ids scored by expiry time (ms): live-session count, listing, expiry counting.
-- `P:job:<job_id>:config` a job's ModelConfig JSON (no expiry; deleted by the controller).
+- `P:job:<job_id>:config`, `P:job:<job_id>:adapter`: a job's ModelConfig and its live adapter (store_redis_jobs.py).
 - `P:idem:<sha256 of an Idempotency-Key>` "<session_id> <body sha256>": created with its session by one script,
   given the same expiry by every commit, deleted with it.
 Each critical section is one Lua script, so a turn costs four round trips: read meta (auth), take the lock and
@@ -38,7 +38,6 @@ from miles.session.errors import SessionBusyError, StoreUnavailableError
 from miles.session.records import (
     CommitOutcome,
     IdempotencyRecord,
-    ModelConfig,
     SessionMeta,
     SessionState,
     TurnCommit,
@@ -49,6 +48,7 @@ from miles.session.records import (
 )
 from miles.session.settings import SessionSettings
 from miles.session.store import ReapResult
+from miles.session.store_redis_jobs import RedisJobs
 from miles.session.store_redis_tree import TREE_SUFFIXES, RedisTree, store_errors
 
 _BUSY = -3
@@ -147,7 +147,7 @@ def _state(values: list[Any]) -> SessionState:
     )
 
 
-class RedisStore(RedisTree):
+class RedisStore(RedisTree, RedisJobs):
     def __init__(self, client: aioredis.Redis, *, key_prefix: str, lock_ttl_s: float, lock_wait_s: float) -> None:
         self._redis = client
         self._prefix = key_prefix
@@ -160,6 +160,7 @@ class RedisStore(RedisTree):
         self._create = client.register_script(_CREATE)
         self._rotate = client.register_script(_ROTATE)
         self._register_tree_scripts()
+        self._register_job_scripts()
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -183,9 +184,6 @@ class RedisStore(RedisTree):
         key = self._key(session_id)
         tree_keys = [f"{key}{suffix}" for suffix in TREE_SUFFIXES]
         return [key, f"{key}:records", f"{key}:lock", f"{self._prefix}:live", f"{key}:routing", *tree_keys]
-
-    def _job_key(self, job_id: str) -> str:
-        return f"{self._prefix}:job:{job_id}:config"
 
     async def _until_free(self, session_id: str, attempt: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         """Run `attempt` until it does not answer busy (-3 or {-3}), backing off, at most lock_wait_s."""
@@ -364,16 +362,3 @@ class RedisStore(RedisTree):
             num_expired = sum(int(r) for r, ttl_ms in zip(results, ttls, strict=True) if ttl_ms < 0)
         num_live = int(await self._redis.zcount(live_key, now_ms, "+inf"))
         return ReapResult(num_live=num_live, num_expired=num_expired)
-
-    @store_errors
-    async def put_job_config(self, job_id: str, config: ModelConfig) -> None:
-        await self._redis.set(self._job_key(job_id), dumps(config.to_json()))
-
-    @store_errors
-    async def get_job_config(self, job_id: str) -> ModelConfig | None:
-        raw = await self._redis.get(self._job_key(job_id))
-        return None if raw is None else ModelConfig.from_json(json.loads(raw))
-
-    @store_errors
-    async def delete_job_config(self, job_id: str) -> bool:
-        return bool(await self._redis.delete(self._job_key(job_id)))

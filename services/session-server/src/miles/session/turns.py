@@ -11,6 +11,7 @@ Nothing is written before phase 3, so a failed turn (bad input, engine error) le
 A session that records routing (R3) asks the engine in phase 2 for the routing rows it does not hold yet
 (routing.py), checks their count, and commits them packed beside the record in phase 3; the agent's answer is built
 from the parsed completion only, so routing never reaches it (a client's own `return_routed_experts` is ignored).
+A LoRA job's phase 2 names the job's live adapter and records its version (adapters.py), for linear and tree turns.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from opentelemetry import trace
 
 from miles.common.errors import MilesError
 from miles.session import openai_format, routing
+from miles.session.adapters import JobAdapters
 from miles.session.api_models import ChatCompletionRequest
 from miles.session.errors import (
     InvalidRequestError,
@@ -76,12 +78,14 @@ class TurnRunner:
         engine: EngineClient,
         metrics: SessionMetrics,
         tree_limits: TreeLimits,
+        adapters: JobAdapters,
     ) -> None:
         self._store = store
         self._models = models
         self._engine = engine
         self._metrics = metrics
         self._tree_limits = tree_limits
+        self._adapters = adapters
 
     async def run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
         """The chat.completion body of one turn (MilesError subclasses for every refusal)."""
@@ -147,19 +151,29 @@ class TurnRunner:
         budget: CompletionBudget,
         routing_start: int | None,
     ) -> tuple[Completion, TurnRouting | None]:
-        """The completion and, when `routing_start` is given, its checked routing rows from that position on."""
+        """The completion and, when `routing_start` is given, its checked routing rows from that position on. A
+        LoRA job's turn is served with the job's live adapter and records its version (adapters.py)."""
         params = openai_format.sampling_params(
             meta.model.sampling_defaults, request, stop_token_ids=model.tito.stop_token_ids, budget=budget
         )
-        try:
-            completion = await self._engine.generate(
+
+        async def call(lora_path: str | None) -> Completion:
+            return await self._engine.generate(
                 input_ids=prompt_ids,
                 sampling_params=params,
                 stream=request.stream,
                 routing_key=meta.session_id,
                 pool=meta.model.engine_pool,
                 routed_experts_start_len=routing_start,
+                lora_path=lora_path,
             )
+
+        adapter = await self._adapters.wait_live(meta.job_id) if meta.model.lora_adapter else None
+        try:
+            if adapter is None:
+                completion = await call(None)
+            else:
+                completion = await self._adapters.generate(meta.job_id, adapter, call)
             if routing_start is None or model.routing is None:
                 return completion, None
             # In a worker thread: a long first prompt of a large MoE model is millions of ids to check and pack.
@@ -217,10 +231,7 @@ class TurnRunner:
             self._observe_phase("commit", phase_started_s)
         if turn_routing is not None and outcome is CommitOutcome.COMMITTED:
             self._metrics.routing_bytes.inc(len(turn_routing.chunk))
-        self._metrics.prompt_tokens.inc(len(prompt_ids))
-        self._metrics.completion_tokens.inc(len(completion.output_ids))
-        self._metrics.cached_tokens.inc(completion.cached_tokens)
-        self._metrics.appended_tokens.inc(len(plan.prompt.appended_ids))
+        self._count_tokens(meta, plan, prompt_ids, completion)
         body = self._body(meta, model, request, plan, prompt_ids, completion, message, outcome, budget)
         if tree is not None:
             body["miles"]["tree"] = tree
@@ -319,6 +330,16 @@ class TurnRunner:
                 "max_tokens_clamped_from": budget.clamped_from,
             },
         )
+
+    def _count_tokens(
+        self, meta: SessionMeta, plan: TurnPlan | TreeTurnPlan, prompt_ids: list[int], completion: Completion
+    ) -> None:
+        self._metrics.prompt_tokens.inc(len(prompt_ids))
+        self._metrics.completion_tokens.inc(len(completion.output_ids))
+        self._metrics.cached_tokens.inc(completion.cached_tokens)
+        self._metrics.appended_tokens.inc(len(plan.prompt.appended_ids))
+        self._metrics.job_prompt_tokens.labels(job_id=meta.job_id).inc(len(prompt_ids))
+        self._metrics.job_completion_tokens.labels(job_id=meta.job_id).inc(len(completion.output_ids))
 
     def _observe_phase(self, phase: str, started_s: float) -> None:
         self._metrics.phase_duration_s.labels(phase=phase).observe(time.perf_counter() - started_s)

@@ -3,7 +3,9 @@
 Request: `input_ids`, `sampling_params`, `return_logprob: true`, `stream` when the client streams, headers
 `X-SMG-Routing-Key: <session_id>` (KV-cache affinity) and `X-Miles-Pool: <engine pool>`; for a session that records
 routing also `return_routed_experts: true` and `routed_experts_start_len` (sglang-protocol.md §1.6: the answer's
-`meta_info.routed_experts`, on the final chunk when streaming, is kept raw in the Completion). Response
+`meta_info.routed_experts`, on the final chunk when streaming, is kept raw in the Completion); for a LoRA job's turn
+`lora_path` (the job's live adapter, adapters.py). The body is built field by field here: nothing of the agent's
+request passes through except the sampling parameters openai_format picks. Response
 (docs/sglang-protocol.md §1.3-1.4): the sampled ids come from `meta_info.output_token_logprobs`, 3-element
 entries `[logprob, token_id, text|null]`; `finish_reason` is an object `{type: stop|length|abort, matched?}`.
 Streaming tolerates both cumulative and delta chunks (the rule: `completion_tokens` is always cumulative).
@@ -209,8 +211,10 @@ class EngineClient:
         routing_key: str,
         pool: str,
         routed_experts_start_len: int | None = None,
+        lora_path: str | None = None,
     ) -> Completion:
-        """One generation; with `routed_experts_start_len`, also the routed experts of positions from there on."""
+        """One generation; with `routed_experts_start_len`, also the routed experts of positions from there on;
+        with `lora_path`, served with that loaded adapter."""
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params,
@@ -221,6 +225,8 @@ class EngineClient:
         if routed_experts_start_len is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         headers = {ROUTING_KEY_HEADER: routing_key, POOL_HEADER: pool}
         started_s = time.perf_counter()
         try:
