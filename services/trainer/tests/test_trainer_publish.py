@@ -182,3 +182,28 @@ async def test_stream_publisher_against_a_real_origin_rewinds_after_a_crash(tmp_
     recorded = {(r.version, r.weights_digest) for r in PublishLedger(tmp_path / "ckpt").records()}
     assert (4, digest_of(bf16_1)) in recorded
     assert len({version for version, _ in recorded}) == len(recorded), "a version number carried two contents"
+
+
+def adapter_settings(tmp_path: Path, **publish: object) -> TrainerSettings:
+    return TrainerSettings.model_validate(
+        {
+            "job_id": "lora-job",
+            "model_path": str(tmp_path),
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "train": {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}},
+            "publish": {"kind": "adapter", **publish},
+        }
+    )
+
+
+def test_adapter_publishing_needs_the_pool_and_the_session_server(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"publish\.session_url"):
+        adapter_settings(tmp_path, router_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"router_url or publish\.engine_urls"):
+        adapter_settings(tmp_path, session_url="http://127.0.0.1:2")
+    settings = adapter_settings(tmp_path, router_url="http://127.0.0.1:1", session_url="http://127.0.0.1:2")
+    from miles.trainer.publish import make_publisher
+
+    publisher = make_publisher(settings)
+    assert publisher.ships_adapters and publisher.pushes_directly
+    assert publisher.path_for(7).name == "adapter-v000007"  # type: ignore[attr-defined]

@@ -239,7 +239,7 @@ class Trainer:
         """Publish the weights the trainer starts from (version 0 of a new job is its initial weights); after a
         crash, a version above the checkpoint published by the dead process makes this a rewind to a new number
         (miles.trainer.publish), and groups of the superseded versions are refused from then on."""
-        tensors = await self._compute(self.runner.hf_tensors)
+        tensors = await self._compute(self._publish_source())
         record = await self.publisher.resume(self.weight_version, tensors, step=self.step)
         self.admission.superseded = self.publisher.superseded
         if record.version != self.weight_version:
@@ -256,7 +256,7 @@ class Trainer:
 
     async def publish(self) -> None:
         started = time.perf_counter()
-        tensors = await self._compute(self.runner.hf_tensors)
+        tensors = await self._compute(self._publish_source())
         record = await self.publisher.publish(
             self.weight_version, tensors, step=self.step, step_finished_unix_ms=self._step_finished_unix_ms
         )
@@ -264,6 +264,10 @@ class Trainer:
         self.metrics.phase_seconds.labels("publish").observe(publish_s)
         self.last_metrics["publish_s"] = publish_s
         self._published(record)
+
+    def _publish_source(self) -> Callable[[], dict[str, Any]]:
+        """The adapter's tensors for a publisher of adapter versions, else the HF weights the engines serve."""
+        return self.runner.adapter_tensors if self.publisher.ships_adapters else self.runner.hf_tensors
 
     def _published(self, record: VersionRecord) -> None:
         self.metrics.published_version.set(record.version)

@@ -171,6 +171,10 @@ class RankRunner:
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_state_dict()
 
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """A LoRA policy's adapter (PEFT names): what `publish.kind: adapter` ships (LoRA runs in one process)."""
+        return self.backend.checkpoint_tensors()
+
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.backend.checkpoint_tensors(), self.backend.optimizer_state()
 

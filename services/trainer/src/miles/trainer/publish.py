@@ -7,6 +7,8 @@
   trainer broadcasting to every engine of the job's router pool (NCCL on GPUs, gloo on the CPU);
 - `disk` (`publish_engines.py`): an HF directory per version on a volume the engines mount, then
   `/update_weights_from_disk` on each (debugging; clusters without a data path between the pools);
+- `adapter` (`publish_adapters.py`): a LoRA job on a shared engine pool publishes each version as a PEFT adapter,
+  loaded into every engine of the pool by name and made live at the session server;
 - `none`: nothing (SFT jobs, tests).
 
 **Versions are honest** (docs/architecture.md §4.2). A version number carries exactly the weights of one trainer step
@@ -70,6 +72,9 @@ class WeightPublisher(abc.ABC):
 
     has_store = False
     """True when the receiver keeps versions in a store that commits them in order (weight-sync)."""
+
+    ships_adapters = False
+    """True when a version is a LoRA adapter (PEFT names, `TrainBackend.checkpoint_tensors`), not HF weights."""
 
     pushes_directly = False
     """True when a version can reach engines before `_send` returns (nccl, disk): intents then count as used
@@ -198,6 +203,10 @@ def make_publisher(settings: TrainerSettings, metrics: Metrics | None = None) ->
         from miles.trainer.publish_stream import StreamPublisher
 
         return StreamPublisher(settings, ledger)
+    if kind == "adapter":
+        from miles.trainer.publish_adapters import AdapterPublisher
+
+        return AdapterPublisher(settings, ledger)
     from miles.trainer.publish_engines import DiskPublisher, NcclPublisher
 
     if kind == "nccl":

@@ -47,10 +47,13 @@ class PublishSettings(Section):
     """How each new weight version leaves the trainer (miles.trainer.publish; the controller writes this section
     from the job spec's weight_sync.transport)."""
 
-    kind: Literal["stream", "nccl", "disk", "none"] = "stream"
+    kind: Literal["stream", "nccl", "disk", "adapter", "none"] = "stream"
     """`stream`: to the job's weight-sync origin (`weightsync_address`), which stores it and rolls it out.
     `nccl`: broadcast straight into the job's engines (SGLang's update-group endpoints; gloo on the CPU).
     `disk`: an HF directory per version under `dir` (a volume the engines mount), then /update_weights_from_disk.
+    `adapter`: a LoRA job on a shared engine pool: each version is a PEFT adapter directory under `dir`, loaded
+    into every engine of `pool` as `<job_id>@<version>` (/load_lora_adapter), then made the job's live adapter
+    at the session server (`session_url`); the base weights are never published.
     `none`: do not publish (tests, SFT)."""
 
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -99,7 +102,14 @@ class PublishSettings(Section):
     """disk: root of the published versions (`<dir>/weights-v000003/`); default `<checkpoint_dir>/published`."""
 
     keep_last: int = Field(default=3, ge=1)
-    """disk: published versions kept on disk (an engine may still be loading an older one)."""
+    """disk, adapter: published versions kept on disk (an engine may still be loading an older one)."""
+
+    session_url: str = ""
+    """adapter: the session server, told each new live adapter version (PUT /v1/jobs/{job_id}/adapter)."""
+
+    adapters_loaded: int = Field(default=2, ge=2)
+    """adapter: versions of this job's adapter kept loaded on each engine (the live one and the one before,
+    which requests sent just before the switch still name); older ones are unloaded, freeing their slots."""
 
     @property
     def resolved_nccl_backend(self) -> str:
@@ -217,6 +227,9 @@ class TrainerSettings(ServiceSettings):
     """publish.kind nccl, disk: sent in place of engine_admin_api_key with the version reads (/model_info, an info
     route that SGLang opens to the api key alone): the engines' api_key, needed when they have one. "" = none."""
 
+    session_operator_token: SecretStr = SecretStr("")
+    """adapter publishing: bearer token of the session server's operator API ("" = open, loopback only)."""
+
     router_admin_token: SecretStr = SecretStr("")
     """publish.kind nccl, disk: sent as `Authorization: Bearer <token>` to the rollout router's admin API (listing
     the pool's engines, drain, undrain): the router's admin_token. "" = the router's admin API is open."""
@@ -233,6 +246,10 @@ class TrainerSettings(ServiceSettings):
                 raise ValueError(
                     "publish.kind 'stream' needs publish.weightsync_address (the job's weight-sync origin)"
                 )
+            if self.publish.kind == "adapter" and not (self.publish.router_url or self.publish.engine_urls):
+                raise ValueError("publish.kind 'adapter' needs publish.router_url or publish.engine_urls (the pool)")
+            if self.publish.kind == "adapter" and not self.publish.session_url:
+                raise ValueError("publish.kind 'adapter' needs publish.session_url (it makes each version live there)")
             if self.publish.kind == "nccl" and not (self.publish.router_url or self.publish.engine_urls):
                 raise ValueError("publish.kind 'nccl' needs publish.router_url or publish.engine_urls (the engines)")
         if self.rank >= self.world_size:
