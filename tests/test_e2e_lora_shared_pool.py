@@ -10,7 +10,8 @@ turns of both jobs between the publishes. Checked:
 - the logprobs each turn got through the session server equal the engine's own answer for the same tokens with
   the adapter that version names, and differ from the other job's adapter and from the base model: the request
   was served by its own job's adapter at that version;
-- on every engine only the job's newest `adapters_loaded` versions stay loaded, and the other job's are untouched.
+- on every engine only the job's newest `adapters_loaded` versions stay loaded, and the other job's are untouched;
+- an engine that lost the live version gets it back from the publisher's reconcile.
 """
 
 from __future__ import annotations
@@ -172,6 +173,12 @@ def test_two_lora_jobs_on_one_pool_are_each_served_their_own_adapter_version(sta
                         sample = await one_turn(client, operator, job_id, f"Count to {version + 3} for {job_id}.")
                         check_turn(stack, job_id, live, sample)
                         num_turns += 1
+                # An engine that lost the live version (as a restarted one has) gets it back at the next reconcile.
+                unload = {"lora_name": "lora-a@2"}
+                response = await client.post(f"{stack.engine_urls[0]}/unload_lora_adapter", json=unload)
+                assert response.status_code == 200, response.text
+                assert "lora-a@2" not in loaded_adapters(stack.engine_urls[0])
+                assert await publishers["lora-a"].reconcile() == 0
         finally:
             for pub in publishers.values():
                 await pub.close()

@@ -11,6 +11,10 @@ Each version (the step's LoRA A/B tensors under PEFT's names, `TrainBackend.chec
    and each turn records version 7 from the name it was served with, so staleness is the job's own;
 4. then the job's versions older than the previous one are unloaded, freeing their adapter slots.
 
+Between publishes, the live version is loaded again every `publish.adapter_reconcile_interval_s` wherever it is
+missing (an engine that joined the pool or restarted holds no adapter): until then the job's requests that land on
+such an engine fail (400), for at most that interval.
+
 The base model is the pool's and stays frozen: it is never published. Version numbers follow the same ledger as
 every publisher (miles.trainer.publish); a version's name stands for its bytes, so a version is never rewritten.
 """
@@ -18,6 +22,7 @@ every publisher (miles.trainer.publish); a version's name stands for its bytes, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -80,6 +85,9 @@ class AdapterPublisher(WeightPublisher):
         self.root = settings.resolved_publish_dir
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_last = max(publish.keep_last, publish.adapters_loaded)
+        self.reconcile_interval_s = publish.adapter_reconcile_interval_s
+        self._live: tuple[int, Path] | None = None
+        self._reconciler: asyncio.Task[None] | None = None
         self._session = httpx.AsyncClient(
             base_url=publish.session_url.rstrip("/"),
             timeout=publish.engine_timeout_s,
@@ -100,6 +108,9 @@ class AdapterPublisher(WeightPublisher):
             errors = "; ".join(f"{load.engine_url}: {load.error}" for load in failed)
             raise UnavailableError(f"adapter version {record.version} did not load on every engine: {errors}")
         await self._make_live(record.version)
+        self._live = (record.version, path)
+        if self._reconciler is None:
+            self._reconciler = asyncio.create_task(self._reconcile_forever())
         await self.pool.retire(record.version)
         await asyncio.to_thread(self._retain, record.version)
         num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -128,7 +139,32 @@ class AdapterPublisher(WeightPublisher):
         for version in [v for v in versions if v <= newest][: -self.keep_last]:
             shutil.rmtree(self.path_for(version), ignore_errors=True)
 
+    async def reconcile(self) -> int:
+        """Load the live version where it is missing; the number of engines that still do not hold it."""
+        if self._live is None:
+            return 0
+        version, path = self._live
+        failed = [load for load in await self.pool.roll(version, path) if load.failed]
+        for load in failed:
+            log.warning(
+                "engine does not hold the live adapter",
+                extra={"engine_url": load.engine_url, "weight_version": version, "error": load.error},
+            )
+        return len(failed)
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.reconcile_interval_s)
+            try:
+                await self.reconcile()
+            except Exception as exc:  # the router away for a moment: the next round tries again
+                log.warning("adapter reconcile failed", extra={"error": str(exc)})
+
     async def close(self) -> None:
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconciler
         await self.pool.close()
         if self._router is not None:
             await self._router.close()

@@ -107,6 +107,10 @@ class PublishSettings(Section):
     session_url: str = ""
     """adapter: the session server, told each new live adapter version (PUT /v1/jobs/{job_id}/adapter)."""
 
+    adapter_reconcile_interval_s: float = Field(default=5.0, gt=0)
+    """adapter: how often the live version is loaded again where it is missing (an engine that joined the pool or
+    restarted since the last publish; a load of a name already loaded is a no-op)."""
+
     adapters_loaded: int = Field(default=2, ge=2)
     """adapter: versions of this job's adapter kept loaded on each engine (the live one and the one before,
     which requests sent just before the switch still name); older ones are unloaded, freeing their slots."""

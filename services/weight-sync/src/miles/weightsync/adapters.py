@@ -16,8 +16,9 @@ its registry at once and frees it when its in-flight requests ended, so nothing 
 dead predecessor left loaded are found in the engines' `loaded_adapters` answers and retired the same way.
 
 Limits: an engine that joins the pool (or restarts) between two publishes holds no adapter of the job until the
-next publish, and answers the job's requests there with 400 (the session server's retry covers only a moved live
-version). Engines the router reports unhealthy are skipped and get the version at the next publish.
+live version is rolled again (the trainer's publisher does so every few seconds), and answers the job's requests
+there with 400 meanwhile (the session server's retry covers only a moved live version). Engines the router
+reports unhealthy are skipped and get the version at the next roll.
 """
 
 from __future__ import annotations
