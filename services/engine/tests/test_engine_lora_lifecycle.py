@@ -215,14 +215,17 @@ async def test_metrics_count_adapters_loads_unloads_and_tokens_per_job(
     tokens = await scrape("miles_engine_generated_tokens_total")
     assert tokens == {'{job="job-a"}': 3.0, '{job="other"}': 3.0, '{job="base"}': 3.0}
     assert await scrape("miles_engine_loaded_lora_adapters") == {"": 2.0}
+    assert await scrape("miles_engine_lora_adapter_slots") == {'{job="job-a"}': 1.0, '{job="other"}': 1.0}
     await client.post("/unload_lora_adapter", json={"lora_name": "not-a-version"})
     await client.post("/unload_lora_adapter", json={"lora_name": "missing"})
     await load(client, "job-a@2", adapter_dirs[2])
     await client.post("/unload_lora_adapter", json={"lora_name": "job-a@1"})
     assert '{job="job-a"}' in await scrape("miles_engine_generated_tokens_total"), "job-a@2 is still loaded"
+    assert await scrape("miles_engine_lora_adapter_slots") == {'{job="job-a"}': 1.0}
     await client.post("/unload_lora_adapter", json={"lora_name": "job-a@2"})
     assert await scrape("miles_engine_generated_tokens_total") == {'{job="base"}': 3.0}
     assert await scrape("miles_engine_loaded_lora_adapters") == {"": 0.0}
+    assert await scrape("miles_engine_lora_adapter_slots") == {}
     assert await scrape("miles_engine_lora_adapter_loads_total") == {'{outcome="ok"}': 3.0}
     unloads = await scrape("miles_engine_lora_adapter_unloads_total")
     assert unloads == {'{outcome="ok"}': 3.0, '{outcome="refused"}': 1.0}

@@ -264,6 +264,7 @@ class Adapters:
     def _publish(self) -> None:
         if self._metrics is not None:
             self._metrics.loaded_lora_adapters.set(len(self._refs) + len(self._unloading))
+            self._metrics.set_adapter_slots(collections.Counter(adapter_job(name) for name in self._refs))
 
 
 @dataclass

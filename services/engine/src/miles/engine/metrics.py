@@ -13,6 +13,7 @@ by the jobs being served (a job id spelled "base" or "other" would share that se
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -98,6 +99,10 @@ class EngineMetrics:
         self.lora_unloads = metrics.counter(
             "lora_adapter_unloads", "/unload_lora_adapter calls, by outcome", ["outcome"]
         )
+        self.job_adapter_slots = metrics.gauge(
+            "lora_adapter_slots", "Registered LoRA adapters (slots of max_loaded_loras), by adapter job", ["job"]
+        )
+        self._slot_jobs: set[str] = set()
         self.job_generated_tokens = metrics.counter(
             "generated_tokens", "Generated tokens of finished requests, by adapter job (base: no adapter)", ["job"]
         )
@@ -160,6 +165,15 @@ class EngineMetrics:
         """A load or unload (`kind`) was done (for an unload: the adapter left the registry) or refused."""
         counter = self.lora_loads if kind == "load" else self.lora_unloads
         counter.labels("ok" if ok else "refused").inc()
+
+    def set_adapter_slots(self, slots_by_job: Mapping[str, int]) -> None:
+        """Registered adapters per job (each takes one of the engine's max_loaded_loras slots); jobs without one
+        lose their series."""
+        for job in set(self._slot_jobs) - set(slots_by_job):
+            self.job_adapter_slots.remove(job)
+        for job, count in slots_by_job.items():
+            self.job_adapter_slots.labels(job).set(count)
+        self._slot_jobs = set(slots_by_job)
 
     def forget_job(self, job: str) -> None:
         """Drop a job's generated-tokens series (its last adapter was unloaded); the base model's stays."""
