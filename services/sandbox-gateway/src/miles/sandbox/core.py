@@ -72,6 +72,7 @@ class SandboxGateway:
         self._records: dict[str, _Record] = {}
         self._creating: Counter[str] = Counter()
         self._reaper: asyncio.Task[None] | None = None
+        self._closing = False
         self.pool: WarmPool | None = None
         if settings.warm_pool_size > 0:
             pool_spec, _, _ = resolve_create(CreateParams(), settings, allowlist_supported=False)
@@ -88,6 +89,7 @@ class SandboxGateway:
         self._update_live_gauge()
 
     async def close(self) -> None:
+        self._closing = True  # besides the cancel: Python 3.11's wait_for can swallow a cancel (gh-86296)
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -286,7 +288,7 @@ class SandboxGateway:
         return reaped
 
     async def _reap_forever(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.settings.reaper_interval_s)
             try:
                 await self.reap_once()
