@@ -67,6 +67,8 @@ def publisher(stack: Any, job_id: str, root: Path) -> AdapterPublisher:
                 "router_url": stack.router_url,
                 "pool": "default",
                 "session_url": stack.session_url,
+                # The scenario reconciles by hand; a background round would race its unload-then-check.
+                "adapter_reconcile_interval_s": 3600,
             },
             "session_operator_token": stack.operator_token,
         }
