@@ -151,3 +151,28 @@ async def test_routing_replay_reaches_the_session_servers_job_config(
             config = (await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)).json()
             assert config["record_routing"] is recorded, (model.name, replay, config)
             assert backend.record_routing[job_id] is recorded, (model.name, replay)
+
+
+async def test_a_job_on_a_shared_pool_is_registered_with_the_pool_and_its_adapter(
+    redis_url: str, shared_services: dict[str, str], model_dir: Path, controller_kit: Any
+) -> None:
+    """The session server routes the job's sessions to the shared pool and puts the job's adapter on every request
+    (`lora_adapter`); a job with its own engines keeps its own pool and no adapter."""
+    kit = controller_kit
+    session_url = shared_services["session_url"]
+    operator = {"authorization": f"Bearer {OPERATOR_TOKEN}"}
+    pool = {"name": "shared-lora", "model_path": str(model_dir)}
+    settings = kit.make_settings(
+        redis_url, session_operator_token=OPERATOR_TOKEN, shared_pools=[pool], **shared_services
+    )
+    model = {"path": str(model_dir), "family": "qwen3"}
+    on_pool = kit.job_spec_body(num_steps=1, model=model)
+    on_pool["train"] = {**on_pool["train"], "lora": {"rank": 4}}
+    on_pool["resources"] = {"engines": {"shared_pool": "shared-lora"}}
+    own = kit.job_spec_body(num_steps=1, model=model)
+    async with kit.running(settings, kit.FakeBackend()) as client, httpx.AsyncClient() as http:
+        for body, pool_of, adapter in ((on_pool, lambda _: "shared-lora", True), (own, lambda job: job, False)):
+            job_id = (await client.post("/v1/jobs", json=body)).json()["job_id"]
+            await kit.wait_for_state(client, job_id, "SUCCEEDED")
+            config = (await http.get(f"{session_url}/v1/jobs/{job_id}/config", headers=operator)).json()
+            assert config["engine_pool"] == pool_of(job_id) and config.get("lora_adapter", False) is adapter, config

@@ -7,17 +7,20 @@ does the work with the backend; so every request is answered from Redis and surv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
 
-from miles.common.errors import InvalidArgumentError, MilesError
+from miles.common.contracts.adapters import VERSIONS_LOADED_PER_JOB
+from miles.common.errors import InvalidArgumentError, MilesError, ResourceExhaustedError
 from miles.common.jobspec.job import JobSpec
 from miles.controller.api_models import ResizeRequest
+from miles.controller.backends.base import SharedPool
 from miles.controller.errors import JobNotFoundError, JobStateConflictError
 from miles.controller.jobs import TERMINAL_STATES, JobRecord, JobState, new_job_id
-from miles.controller.lora_check import check_lora, read_config
+from miles.controller.lora_check import check_lora, check_shared_pool, read_config
 from miles.controller.metrics import ControllerMetrics
 from miles.controller.routing_replay import check_routing_replay, read_model_routing
 from miles.controller.settings import ControllerSettings
@@ -47,7 +50,10 @@ class JobService:
         check_routing_replay(spec, await asyncio.to_thread(read_model_routing, spec.model.path))
         if spec.train.lora is not None:
             check_lora(spec, await asyncio.to_thread(read_config, spec.model.path))
+        pool = check_shared_pool(spec, self.settings.shared_pools)
         await self.supervisor.backend.check_spec(spec)
+        if pool is not None:
+            await self._check_pool_capacity(pool)
         now = time.time()
         record = JobRecord(job_id=new_job_id(), spec=spec, state=JobState.PENDING, created_at_s=now, updated_at_s=now)
         canonical = spec.model_dump_json().encode()
@@ -69,6 +75,24 @@ class JobService:
 
     async def get(self, job_id: str) -> JobRecord:
         return await self.store.get(job_id)
+
+    async def _check_pool_capacity(self, pool: SharedPool) -> None:
+        """429 when the pool's adapter slots are taken by active jobs (each keeps VERSIONS_LOADED_PER_JOB versions
+        loaded). Counted before the job is stored, so two submissions at the same instant may both pass: the engines
+        then refuse the extra load, and the later job's trainer reports it."""
+        capacity = pool.max_loaded_loras // VERSIONS_LOADED_PER_JOB
+        on_pool = 0
+        for job_id in await self.store.active_job_ids():
+            with contextlib.suppress(JobNotFoundError):  # deleted meanwhile
+                record = await self.store.get(job_id)
+                on_pool += record.spec.resources.engines.shared_pool == pool.name and not record.state.is_terminal
+        if on_pool >= capacity:
+            raise ResourceExhaustedError(
+                f"shared pool {pool.name!r} already runs {on_pool} LoRA jobs, all its max_loaded_loras "
+                f"{pool.max_loaded_loras} adapter slots allow ({VERSIONS_LOADED_PER_JOB} versions per job); wait for "
+                "one to end",
+                retry_after_s=30.0,
+            )
 
     async def list(self, *, limit: int, offset: int, state: JobState | None) -> list[JobRecord]:
         if state is None:
@@ -107,6 +131,13 @@ class JobService:
         record = await self.store.get(job_id)
         if record.state.is_terminal or record.cancel_requested:
             raise JobStateConflictError(f"job {job_id} is {record.state.value}: only an active job can be resized")
+        pool_name = record.spec.resources.engines.shared_pool
+        if pool_name is not None and request.engines is not None:
+            raise InvalidArgumentError(
+                f"job {job_id} runs on shared engine pool {pool_name!r} and has no engines of its own: the platform "
+                "sizes the pool (controller setting shared_pools / chart sharedPools)",
+                field="engines",
+            )
         spec_data = record.spec.model_dump(mode="json")
         resources = spec_data["resources"]
         if request.engines is not None:

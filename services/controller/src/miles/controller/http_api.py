@@ -97,7 +97,9 @@ SUBMIT_RESPONSES: Responses = {
     400: {
         "description": "A spec whose fields are valid one by one but not together (e.g. an off-policy correction "
         "applied twice: train.correction.mode), or that this controller's backend cannot run (e.g. "
-        "resources.engines.kind); `field` names it"
+        "resources.engines.kind), or a LoRA job that its `resources.engines.shared_pool` cannot serve (an "
+        "undeclared pool, another base model, a rank above the pool's max_lora_rank, target modules outside the "
+        "pool's); `field` names it"
     },
     422: {
         "description": "The spec breaks the schema (`field` names it); or an Idempotency-Key came with another body "
@@ -105,7 +107,10 @@ SUBMIT_RESPONSES: Responses = {
         "`routing_replay_needs_moe`, field `train.routing_replay`: the config.json at `model.path`, when the "
         "controller can read it, has no MoE layers, so there is no routing to replay)"
     },
-    429: {"description": "max_active_jobs jobs are already PENDING or RUNNING"},
+    429: {
+        "description": "max_active_jobs jobs are already PENDING or RUNNING, or the job's shared engine pool has no "
+        "free adapter slots (its max_loaded_loras, 2 versions per active job)"
+    },
 }
 _bearer = HTTPBearer(auto_error=False, description="One of the controller's api tokens")
 
@@ -194,7 +199,14 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         "/v1/jobs/{job_id}",
         status_code=202,
         response_model=JobView,
-        responses={**NOT_FOUND, 409: {"description": "The job has ended or is being cancelled: nothing to resize"}},
+        responses={
+            **NOT_FOUND,
+            400: {
+                "description": "`engines` given for a job on a shared engine pool (field `engines`): the platform "
+                "sizes that pool, the job has no engines of its own"
+            },
+            409: {"description": "The job has ended or is being cancelled: nothing to resize"},
+        },
         summary="Resize a job's pools",
     )
     async def resize_job(job_id: JobId, body: ResizeRequest) -> JobView:

@@ -1,4 +1,5 @@
-"""LoRA choices checked against the model's config.json at submission (400 naming the field).
+"""LoRA choices checked at submission (400 naming the field): against the model's config.json, and against the
+shared engine pool the job runs on (`check_shared_pool`).
 
 The controller reads the checkpoint's config.json when it can (a local path or a mounted volume); the trainer checks
 the same against the loaded model at start, so a model the controller cannot read is checked there instead.
@@ -9,11 +10,13 @@ Checked here: every target module is a linear layer the architecture has, and th
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from miles.common.errors import InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.base import SharedPool
 
 _MAX_CONFIG_BYTES = 1 << 20
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -79,3 +82,39 @@ def check_lora(spec: JobSpec, config: dict[str, Any] | None) -> None:
             f"rank can be at most {smallest}",
             field="train.lora.rank",
         )
+
+
+def check_shared_pool(spec: JobSpec, pools: Sequence[SharedPool]) -> SharedPool | None:
+    """The shared pool `spec` runs on (None: the job has its own engines); InvalidArgumentError (400) when the pool
+    is not declared or cannot serve the job's adapters (another base model, a higher rank, other target modules)."""
+    name = spec.resources.engines.shared_pool
+    if name is None:
+        return None
+    pool = next((pool for pool in pools if pool.name == name), None)
+    if pool is None:
+        declared = [pool.name for pool in pools]
+        raise InvalidArgumentError(
+            f"no shared engine pool {name!r}; the platform declares {declared} (controller setting shared_pools)",
+            field="resources.engines.shared_pool",
+        )
+    lora = spec.train.lora
+    assert lora is not None, "placement_problems: a shared pool needs train.lora"
+    if spec.model.path != pool.model_path:
+        raise InvalidArgumentError(
+            f"shared pool {name!r} serves the base model {pool.model_path!r}, not {spec.model.path!r}: an adapter "
+            "trained on another base model cannot be served by it",
+            field="model.path",
+        )
+    if lora.rank > pool.max_lora_rank:
+        raise InvalidArgumentError(
+            f"train.lora.rank {lora.rank} exceeds shared pool {name!r}'s max_lora_rank {pool.max_lora_rank}",
+            field="train.lora.rank",
+        )
+    outside = [module for module in lora.target_modules if module not in pool.lora_target_modules]
+    if outside:
+        raise InvalidArgumentError(
+            f"train.lora.target_modules {outside} are not served by shared pool {name!r}; it serves adapters on "
+            f"{pool.lora_target_modules}",
+            field="train.lora.target_modules",
+        )
+    return pool

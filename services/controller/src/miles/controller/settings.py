@@ -16,7 +16,7 @@ from pydantic_settings import NoDecode
 
 from miles.common.auth import is_loopback_host
 from miles.common.settings import ServiceSettings, service_config
-from miles.controller.backends.base import PlatformTokens, SharedServices
+from miles.controller.backends.base import PlatformTokens, SharedPool, SharedServices
 
 MIN_API_TOKEN_CHARS = 16
 
@@ -96,6 +96,11 @@ class ControllerSettings(ServiceSettings):
     sandbox_http_url: str = ""
     """HTTP base URL of the sandbox gateway ("" = none)."""
 
+    shared_pools: list[SharedPool] = Field(default_factory=list)
+    """Shared engine pools LoRA jobs may run on (`resources.engines.shared_pool`), a JSON list of objects with
+    `name`, `model_path`, `replicas`, `max_loaded_loras`, `max_lora_rank`, `lora_target_modules`, `extra_args`.
+    On Kubernetes the chart sets it from `sharedPools`, which also deploys each pool's engines."""
+
     observe_interval_s: float = Field(default=2.0, gt=0)
     """How often the supervisor observes each active job (and looks for new ones), seconds."""
 
@@ -155,6 +160,14 @@ class ControllerSettings(ServiceSettings):
             return [token.strip() for token in stripped.split(",") if token.strip()]
         return value
 
+    @field_validator("shared_pools")
+    @classmethod
+    def _unique_pool_names(cls, value: list[SharedPool]) -> list[SharedPool]:
+        names = [pool.name for pool in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"shared pool names must be unique (got {names})")
+        return value
+
     @model_validator(mode="after")
     def _check_tokens(self) -> ControllerSettings:
         for token in self.api_tokens:
@@ -178,6 +191,7 @@ class ControllerSettings(ServiceSettings):
             buffer_address=self.buffer_address,
             sandbox_address=self.sandbox_address,
             sandbox_http_url=self.sandbox_http_url,
+            shared_pools=tuple(self.shared_pools),
             tokens=PlatformTokens(
                 router_admin=self.router_admin_token.get_secret_value(),
                 buffer_operator=self.buffer_operator_token.get_secret_value(),

@@ -2,7 +2,8 @@
 per-job statistics while it runs, unregister it when it is deleted.
 
 - session server: `PUT /v1/jobs/{id}/config` (model path, TITO family, chat template kwargs, the router pool =
-  the job id, `record_routing` = `train.routing_replay` when set, `roles` and `tree_sessions` from the rollout
+  the job id or its shared pool (then `lora_adapter: true`: every request names the job's adapter),
+  `record_routing` = `train.routing_replay` when set, `roles` and `tree_sessions` from the rollout
   section when set) with the operator token; it answers the config it stored, whose `record_routing` (resolved
   from the model when unset) `register` returns for the job's engines.
   `DELETE` of it on job deletion.
@@ -32,9 +33,10 @@ from miles.controller.routing_replay import session_record_routing
 from miles.proto.buffer.v1 import buffer_pb2, buffer_pb2_grpc
 
 
-def engine_pool_of(job_id: str) -> str:
-    """The router pool of a job's engines (the same name on every backend)."""
-    return job_id
+def engine_pool_of(job_id: str, spec: JobSpec) -> str:
+    """The router pool of a job's engines (the same name on every backend): the job id, or the shared pool a LoRA
+    job runs on."""
+    return spec.resources.engines.shared_pool or job_id
 
 
 def _session_roles(spec: JobSpec) -> dict[str, Any]:
@@ -82,8 +84,9 @@ class SharedServicesClient:
             body = {
                 "model_path": spec.model.path,
                 "model_family": spec.model.family,
-                "engine_pool": engine_pool_of(job_id),
+                "engine_pool": engine_pool_of(job_id, spec),
                 "chat_template_kwargs": spec.model.chat_template_kwargs,
+                **({"lora_adapter": True} if spec.resources.engines.shared_pool else {}),
                 **session_record_routing(spec),
                 **_session_roles(spec),
             }
@@ -103,13 +106,15 @@ class SharedServicesClient:
         if self._buffer is not None:
             await self._grpc(self._buffer.DeleteJob, buffer_pb2.DeleteJobRequest(job_id=job_id))
 
-    async def router_stats(self, job_id: str) -> dict[str, float]:
-        """`prefix_hit_rate` (and the token counters) of the job's engine pool; {} when unknown."""
+    async def router_stats(self, job_id: str, spec: JobSpec) -> dict[str, float]:
+        """`prefix_hit_rate` (and the token counters) of the job's engine pool; {} when unknown. (A shared pool's
+        are the whole pool's, every job on it together.)"""
         if not self.shared.router_url:
             return {}
         url = f"{self.shared.router_url.rstrip('/')}/admin/v1/stats"
         try:
-            response = await self._http.get(url, params={"pool": engine_pool_of(job_id)}, headers=self._router_headers)
+            params = {"pool": engine_pool_of(job_id, spec)}
+            response = await self._http.get(url, params=params, headers=self._router_headers)
         except httpx.HTTPError:
             return {}
         if response.status_code != 200:

@@ -219,7 +219,7 @@ class Supervisor:
             await self._end(record, JobState.SUCCEEDED, f"finished {progress.step} steps")
 
     async def _record_progress(self, record: JobRecord, progress: JobProgress, loop: _JobLoopState) -> None:
-        metrics = {**record.metrics, **progress.metrics, **await self.shared.router_stats(record.job_id)}
+        metrics = {**record.metrics, **progress.metrics, **await self.shared.router_stats(record.job_id, record.spec)}
         fields = {
             "step": str(progress.step),
             "weight_version": str(progress.weight_version),

@@ -21,6 +21,7 @@ from typing import Literal, Self
 from pydantic import Field, SecretStr, model_validator
 
 from miles.common.auth import check_token_setting
+from miles.common.contracts.adapters import VERSIONS_LOADED_PER_JOB
 from miles.common.contracts.engine_control import PauseMode
 from miles.common.jobspec.trainer import Section, TrainConfig
 from miles.common.settings import ServiceSettings, service_config
@@ -111,7 +112,7 @@ class PublishSettings(Section):
     """adapter: how often the live version is loaded again where it is missing (an engine that joined the pool or
     restarted since the last publish; a load of a name already loaded is a no-op)."""
 
-    adapters_loaded: int = Field(default=2, ge=2)
+    adapters_loaded: int = Field(default=VERSIONS_LOADED_PER_JOB, ge=2)
     """adapter: versions of this job's adapter kept loaded on each engine (the live one and the one before,
     which requests sent just before the switch still name); older ones are unloaded, freeing their slots."""
 

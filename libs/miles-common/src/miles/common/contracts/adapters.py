@@ -14,6 +14,9 @@ back (`parse_adapter_name`) when it records a turn.
 from __future__ import annotations
 
 SEPARATOR = "@"
+VERSIONS_LOADED_PER_JOB = 2
+"""Adapter versions a job keeps loaded on each engine by default (the live one and the one before, which requests
+sent just before the switch still name): a shared pool of `max_loaded_loras` slots takes that // 2 jobs at once."""
 
 
 def adapter_name(job_id: str, version: int) -> str:

@@ -45,7 +45,14 @@ class ModelSpec(_Section):
 
 
 class EnginePoolSpec(_Section):
-    """The job's own engines (a job trains its own weights, so engines are never shared between jobs)."""
+    """The job's engines: its own (a job that trains all its weights never shares them), or, for a LoRA job, a
+    shared pool of its base model declared by the platform (each request names the job's adapter)."""
+
+    shared_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
+    """Name of a shared engine pool (the controller's `shared_pools`, the chart's `sharedPools`) to run this LoRA
+    job on instead of starting engines: same base model, `train.lora` rank and target modules within the pool's.
+    The job then has no engines or weight-sync of its own, so the other engine fields must stay unset and the
+    pool's size is the platform's (PATCH of `engines` answers 400)."""
 
     replicas: int = Field(default=1, ge=1, le=64)
     """Engine processes (local) or SGLang pods (Kubernetes); may change while the job runs."""
@@ -162,7 +169,17 @@ class JobSpec(_Section):
 
     def placement_problems(self) -> list[tuple[str, str]]:
         """(field, why) of choices that are valid on their own but not on these resources (the controller answers
-        400 at submission): LoRA trains on one torch-backend trainer replica."""
+        400 at submission): LoRA trains on one torch-backend trainer replica; a shared engine pool serves only LoRA
+        jobs and sizes itself."""
+        engines = self.resources.engines
+        if engines.shared_pool is not None:
+            if self.train.lora is None:
+                why = "resources.engines.shared_pool serves LoRA adapters only: set train.lora, or drop shared_pool"
+                return [("resources.engines.shared_pool", why)]
+            own = sorted(engines.model_fields_set - {"shared_pool"})
+            if own:
+                why = f"resources.engines.{own[0]} describes the job's own engines; a job on a shared pool has none"
+                return [(f"resources.engines.{own[0]}", why)]
         if self.train.lora is None:
             return []
         trainer = self.resources.trainer

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from miles.common.auth import SANDBOX_CAPABILITY, job_capability
-from miles.common.jobspec.job import JobSpec
+from miles.common.jobspec.job import NODE_POOL_PATTERN, JobSpec
 
 JobPhase = Literal["starting", "running", "succeeded", "failed"]
 """What a backend observes of a job: `starting` (resources being created or not ready yet), `running`,
@@ -48,6 +50,54 @@ class PlatformTokens:
         return job_capability(self.sandbox_operator, SANDBOX_CAPABILITY, job_id) if self.sandbox_operator else ""
 
 
+LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class SharedPool(BaseModel):
+    """A shared engine pool: engines of one base model serving the LoRA adapters of every job placed on it (a job
+    names it in `resources.engines.shared_pool`). Its engines are the platform's, not a job's: they start once
+    (local backend: at the first job on the pool; Kubernetes: the chart's `sharedPools` Deployment), join the
+    router pool of this name, and outlive the jobs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    name: str = Field(pattern=NODE_POOL_PATTERN)
+    """Pool name: the router pool of its engines and what a job spec names (a DNS label)."""
+
+    model_path: str = Field(min_length=1)
+    """The base model every engine serves; a job on the pool must name exactly this `model.path`."""
+
+    replicas: int = Field(default=1, ge=1, le=64)
+    """Engines (local backend; on Kubernetes the chart's `sharedPools[].replicas` sizes the Deployment)."""
+
+    max_loaded_loras: int = Field(default=8, ge=1)
+    """Adapters resident per engine (`--max-loaded-loras`); each job keeps its newest 2 versions loaded, so a pool
+    takes max_loaded_loras // 2 jobs at once."""
+
+    max_lora_rank: int = Field(default=64, ge=1)
+    """Highest adapter rank the engines accept (`--max-lora-rank`); a job with a higher `train.lora.rank` is 400."""
+
+    lora_target_modules: list[str] = Field(default_factory=lambda: list(LORA_LINEAR_MODULES), min_length=1)
+    """Modules adapters may target (`--lora-target-modules`); a job targeting another is 400."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """Arguments appended to every engine's command line (local backend), e.g. `--deterministic`."""
+
+    def engine_args(self) -> list[str]:
+        """The LoRA flags of the pool's engines (SGLang's names)."""
+        return [
+            "--enable-lora",
+            "--max-loaded-loras",
+            str(self.max_loaded_loras),
+            "--max-loras-per-batch",
+            str(self.max_loaded_loras),
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--lora-target-modules",
+            *self.lora_target_modules,
+        ]
+
+
 @dataclass(frozen=True)
 class SharedServices:
     """Where the shared, multi-tenant services are (from the controller's settings)."""
@@ -70,6 +120,11 @@ class SharedServices:
     """HTTP base URL of the sandbox gateway ("" = none)."""
     tokens: PlatformTokens = field(default_factory=PlatformTokens)
     """Bearer tokens of the control APIs."""
+    shared_pools: tuple[SharedPool, ...] = ()
+    """The shared engine pools LoRA jobs may run on."""
+
+    def shared_pool(self, name: str) -> SharedPool | None:
+        return next((pool for pool in self.shared_pools if pool.name == name), None)
 
 
 @dataclass(frozen=True)

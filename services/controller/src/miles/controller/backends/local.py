@@ -3,10 +3,12 @@
 Per job (`<state_dir>/jobs/<job_id>/`: state.json, config files, logs, pid files): N `miles-engine` processes,
 their weight-sync origin (the trainer publishes each version to it; stream transport), M `miles-rollout-worker`s
 and the `miles-trainer` (see `local_layout`). Engines join the router pool named after the job id once ready.
+A LoRA job on a shared engine pool (`resources.engines.shared_pool`) has neither engines nor origin: the pool's
+engines (`local_shared_pools`, started with the first job on it and outliving every job) serve its adapters.
 
-Supervision: a monitor task per job (and every `observe`) checks each process; one that exited is started again
-after an exponential backoff (`restart_backoff_initial_s` doubling up to `restart_backoff_max_s`); after
-`max_restarts` restarts in a row without `restart_reset_s` of uptime the job fails with the process name, its
+Supervision (`local_supervise`): a monitor task per job (and every `observe`) checks each process; one that exited
+is started again after an exponential backoff (`restart_backoff_initial_s` doubling up to `restart_backoff_max_s`);
+after `max_restarts` restarts in a row without `restart_reset_s` of uptime the job fails with the process name, its
 exit code and the tail of its log.
 
 Processes run in their own sessions, so they outlive the controller; a new controller's `start` adopts the
@@ -22,11 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from miles.common.errors import InvalidArgumentError
 from miles.common.http_client import traced_async_client
@@ -35,12 +34,13 @@ from miles.controller.backends import local_layout as layout
 from miles.controller.backends.base import JobPhase, JobProgress, SharedServices
 from miles.controller.backends.local_observe import TITO_CRITICAL_METRIC, StatusReaders
 from miles.controller.backends.local_pool import RouterPool
-from miles.controller.backends.local_processes import ProcessRecord, ProcessTable, log_tail
+from miles.controller.backends.local_processes import ProcessTable
+from miles.controller.backends.local_shared_pools import SharedPoolRunner
 from miles.controller.backends.local_state import LocalJob
+from miles.controller.backends.local_supervise import ProcessSupervisor, RestartPolicy
 from miles.proto.trainer.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
-POOL_CHECK_INTERVAL_S = 5.0
 
 
 class LocalJobBackend:
@@ -68,29 +68,32 @@ class LocalJobBackend:
         self.shared = shared
         self.state_dir = Path(state_dir)
         self.stop_grace_s = stop_grace_s
-        self.max_restarts = max_restarts
-        self.restart_backoff_initial_s = restart_backoff_initial_s
-        self.restart_backoff_max_s = restart_backoff_max_s
-        self.restart_reset_s = restart_reset_s
         self.monitor_interval_s = monitor_interval_s
         self.engine_drain_timeout_s = engine_drain_timeout_s
         self.table = ProcessTable(Path(cwd) if cwd is not None else Path.cwd())
         self.pool = RouterPool(shared.router_url, admin_token=shared.tokens.router_admin)
         self._http = traced_async_client(timeout=2.0)
+        policy = RestartPolicy(max_restarts, restart_backoff_initial_s, restart_backoff_max_s, restart_reset_s)
+        self.supervisor = ProcessSupervisor(self.table, self.pool, self._http, policy)
+        self.shared_pools = SharedPoolRunner(
+            shared.shared_pools, self.state_dir, self.supervisor, shared.tokens, monitor_interval_s=monitor_interval_s
+        )
         self._jobs: dict[str, LocalJob] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._monitors: dict[str, asyncio.Task[None]] = {}
         self.readers = StatusReaders(self._http, trainer_token=shared.tokens.trainer)
-        self._last_pool_check: dict[str, float] = {}
 
     # --- JobBackend ------------------------------------------------------------------------------------------
     async def check_spec(self, spec: JobSpec) -> None:
-        problem = layout.unsupported(spec)
+        problem = layout.unsupported(spec, self.shared)
         if problem is not None:
             field, why = problem
             raise InvalidArgumentError(why, field=field)
 
     async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
+        pool_name = spec.resources.engines.shared_pool
+        if pool_name is not None and self.shared.shared_pool(pool_name) is not None:
+            await self.shared_pools.ensure(pool_name)  # before the job's trainer loads its first adapter there
         async with self._lock(job_id):
             job = self._load(job_id)
             if job is not None and job.stopped and job.succeeded:
@@ -130,8 +133,10 @@ class LocalJobBackend:
             job.last_step, job.last_weight_version = int(status.step), int(status.weight_version)
             job.save()
         step, version = job.last_step, job.last_weight_version
+        pool_name = spec.resources.engines.shared_pool
+        own_engines = sum(1 for r in job.by_role("engine") if r.ready and self.table.is_running(r))
         pools = {
-            "engines": sum(1 for r in job.by_role("engine") if r.ready and self.table.is_running(r)),
+            "engines": self.shared_pools.ready_engines(pool_name) if pool_name else own_engines,
             "rollout_workers": sum(1 for r in job.by_role("worker") if self.table.is_running(r)),
             "trainer": sum(1 for r in job.by_role("trainer") if self.table.is_running(r)),
         }
@@ -141,7 +146,7 @@ class LocalJobBackend:
         if tito_critical is not None:
             metrics["tito_critical_episodes"] = tito_critical
         phase: JobPhase = "running" if job.was_running else "starting"
-        error = job.notice
+        error = job.notice or (self.shared_pools.problem(pool_name) if pool_name else "")
         if job.failed:
             phase, error = "failed", job.error
         elif status is not None and (
@@ -158,7 +163,7 @@ class LocalJobBackend:
             job = self._load(job_id)
             if job is None or job.stopped or job.failed:
                 return
-            if engines is not None and engines != len(job.by_role("engine")):
+            if engines is not None and not job.shared_pool and engines != len(job.by_role("engine")):
                 await self._resize_engines(job, spec, engines)
             if rollout_workers is not None:
                 await self._resize_workers(job, spec, rollout_workers)
@@ -174,7 +179,7 @@ class LocalJobBackend:
             job = self._load(job_id)
             if job is None:
                 return
-            for engine in job.by_role("engine"):
+            for engine in job.by_role("engine"):  # a job on a shared pool has none: the pool outlives it
                 await self.pool.deregister(job_id, engine.url)
             records = list(job.processes.values())
             await asyncio.to_thread(self.table.stop_all, records, self.stop_grace_s)
@@ -193,6 +198,7 @@ class LocalJobBackend:
         for monitor in monitors:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await monitor
+        await self.shared_pools.close()
         await self.readers.close()
         await self.pool.close()
         await self._http.aclose()
@@ -207,8 +213,9 @@ class LocalJobBackend:
         if job is None:
             return {}
         trainer = job.by_role("trainer")
+        engines = [record.url for record in job.by_role("engine")]
         return {
-            "engines": [record.url for record in job.by_role("engine")],
+            "engines": self.shared_pools.engine_urls(job.shared_pool) if job.shared_pool else engines,
             "rollout_workers": [record.url for record in job.by_role("worker")],
             "trainer_address": trainer[0].url if trainer else "",
             "trainer_metrics_url": f"http://127.0.0.1:{trainer[0].extra['metrics_port']}" if trainer else "",
@@ -237,13 +244,14 @@ class LocalJobBackend:
     def _plan(self, job: LocalJob, spec: JobSpec) -> None:
         """The records of every process of a new job (nothing is started here); ValueError for a spec the local
         backend cannot run (one accepted before check_spec existed, or by another controller version)."""
-        problem = layout.unsupported(spec)
+        problem = layout.unsupported(spec, self.shared)
         if problem is not None:
             raise ValueError(problem[1])
         job.job_dir.mkdir(parents=True, exist_ok=True)
+        job.shared_pool = spec.resources.engines.shared_pool or ""
         engines = [
             layout.engine_record(job.job_dir, spec, i, self.shared.tokens, record_routing=job.record_routing)
-            for i in range(spec.resources.engines.replicas)
+            for i in range(0 if job.shared_pool else spec.resources.engines.replicas)
         ]
         records = list(engines)
         origin = ""
@@ -278,80 +286,7 @@ class LocalJobBackend:
                 log.exception("supervision pass of job %s failed", job_id)
 
     async def _supervise(self, job: LocalJob) -> None:
-        """One pass: restart what exited (with backoff), notice readiness, keep engines registered."""
-        if job.stopped:
-            return
-        changed = False
-        now = time.time()
-        for record in job.processes.values():
-            code = self.table.exit_code(record)
-            if code is None:
-                changed |= await self._check_live(job, record, now)
-            elif not job.failed:
-                changed |= self._handle_exit(job, record, code, now)
-        if not job.was_running and all(record.ready for record in job.processes.values()):
-            job.was_running = changed = True
-        changed |= await self._check_pool(job, now)
-        if changed:
-            job.save()
-
-    async def _check_live(self, job: LocalJob, record: ProcessRecord, now: float) -> bool:
-        changed = False
-        if record.restarts and now - record.started_at_s >= self.restart_reset_s:
-            record.restarts, changed = 0, True
-        if not record.ready:
-            record.ready = await self._is_ready(record)
-            changed |= record.ready
-        if record.role == "engine" and record.ready and not record.registered:
-            record.registered = await self.pool.register(job.job_id, record.url)
-            changed |= record.registered
-        return changed
-
-    def _handle_exit(self, job: LocalJob, record: ProcessRecord, code: int, now: float) -> bool:
-        if record.next_start_at_s == 0.0:
-            record.last_exit_code, record.ready, record.registered = code, False, False
-            if record.restarts >= self.max_restarts:
-                job.failed = True
-                job.error = (
-                    f"{record.name} exited with code {code} after {record.restarts} restarts in a row; "
-                    f"last lines of {record.log_path}:\n{log_tail(record.log_path)}"
-                )
-                log.error("job %s failed: %s", job.job_id, job.error)
-                return True
-            delay_s = min(self.restart_backoff_initial_s * 2**record.restarts, self.restart_backoff_max_s)
-            record.next_start_at_s = now + delay_s
-            job.notice = f"{record.name} exited with code {code}; restart {record.restarts + 1} in {delay_s:.1f}s"
-            log.warning("job %s: %s", job.job_id, job.notice)
-            return True
-        if now >= record.next_start_at_s:
-            self.table.spawn(record, job.job_dir)
-            record.restarts += 1
-            record.total_restarts += 1
-            return True
-        return False
-
-    async def _is_ready(self, record: ProcessRecord) -> bool:
-        if not record.ready_url:
-            return True
-        try:
-            response = await self._http.get(record.ready_url)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def _check_pool(self, job: LocalJob, now: float) -> bool:
-        """Every few seconds: engines the router forgot (it restarted) are registered again."""
-        if now - self._last_pool_check.get(job.job_id, 0.0) < POOL_CHECK_INTERVAL_S:
-            return False
-        self._last_pool_check[job.job_id] = now
-        known = await self.pool.engine_urls(job.job_id)
-        if known is None:
-            return False
-        changed = False
-        for record in job.by_role("engine"):
-            if record.registered and record.url not in known:
-                record.registered, changed = False, True
-        return changed
+        await self.supervisor.supervise(job)
 
     async def _resize_engines(self, job: LocalJob, spec: JobSpec, count: int) -> None:
         current = job.by_role("engine")

@@ -42,8 +42,14 @@ def _write_json(path: Path, data: dict[str, Any]) -> str:
     return str(path)
 
 
-def unsupported(spec: JobSpec) -> tuple[str, str] | None:
+def unsupported(spec: JobSpec, shared: SharedServices) -> tuple[str, str] | None:
     """(field, why) for the first part of `spec` the local backend cannot run; None when it can run all of it."""
+    pool_name = spec.resources.engines.shared_pool
+    if pool_name is not None:
+        if shared.shared_pool(pool_name) is None:
+            declared = [pool.name for pool in shared.shared_pools]
+            return "resources.engines.shared_pool", f"no shared engine pool {pool_name!r} is declared ({declared})"
+        return None
     if spec.resources.engines.kind != "cpu":
         kind = spec.resources.engines.kind
         return "resources.engines.kind", (
@@ -53,8 +59,9 @@ def unsupported(spec: JobSpec) -> tuple[str, str] | None:
 
 
 def uses_weightsync(spec: JobSpec) -> bool:
-    """Whether the job has a weight-sync origin (stream); nccl and disk go from the trainer to the engines."""
-    return spec.weight_sync.transport == "stream"
+    """Whether the job has a weight-sync origin (stream); nccl and disk go from the trainer to the engines, and a job
+    on a shared pool publishes adapters to the pool's engines itself."""
+    return spec.weight_sync.transport == "stream" and spec.resources.engines.shared_pool is None
 
 
 def token_env(service_env_name: str, tokens: Mapping[str, str]) -> dict[str, str]:
@@ -189,7 +196,18 @@ def publish_dir(job_dir: Path) -> Path:
 def trainer_publish_section(
     job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, origin: str
 ) -> dict[str, Any]:
-    """The trainer's `publish` settings for the spec's transport (what the chart sets on Kubernetes)."""
+    """The trainer's `publish` settings for the spec's transport (what the chart sets on Kubernetes); a job on a
+    shared pool publishes adapter versions into the pool's engines."""
+    pool_name = spec.resources.engines.shared_pool
+    if pool_name is not None:
+        return {
+            "kind": "adapter",
+            "dtype": spec.weight_sync.dtype,
+            "router_url": shared.router_url,
+            "pool": pool_name,
+            "session_url": shared.session_url,
+            "dir": str(publish_dir(job_dir)),
+        }
     transport = spec.weight_sync.transport
     section: dict[str, Any] = {"kind": transport, "dtype": spec.weight_sync.dtype}
     if transport == "stream":
@@ -210,6 +228,7 @@ def _trainer_tokens(shared: SharedServices) -> dict[str, str]:
         "engine_admin_api_key": shared.tokens.engine_admin_api_key,
         "engine_api_key": shared.tokens.engine_api_key,
         "router_admin_token": shared.tokens.router_admin,
+        "session_operator_token": shared.session_operator_token,
     }
 
 

@@ -40,6 +40,8 @@ class LocalJob:
     last_weight_version: int = 0
     record_routing: bool | None = None
     """The session server's resolved `record_routing` given at start (engines added by a resize need it too)."""
+    shared_pool: str = ""
+    """The shared engine pool the job's adapters are served by ("" = the job has engines of its own)."""
 
     def by_role(self, role: str) -> list[ProcessRecord]:
         records = [record for record in self.processes.values() if record.role == role]
@@ -60,6 +62,7 @@ class LocalJob:
             "last_step": self.last_step,
             "last_weight_version": self.last_weight_version,
             "record_routing": self.record_routing,
+            "shared_pool": self.shared_pool,
             "processes": [record.to_json() for record in self.processes.values()],
         }
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -90,4 +93,5 @@ class LocalJob:
             last_step=int(data.get("last_step", 0)),
             last_weight_version=int(data.get("last_weight_version", 0)),
             record_routing=data["record_routing"] if isinstance(data.get("record_routing"), bool) else None,
+            shared_pool=str(data.get("shared_pool", "")),
         )
