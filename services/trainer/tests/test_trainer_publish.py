@@ -207,3 +207,13 @@ def test_adapter_publishing_needs_the_pool_and_the_session_server(tmp_path: Path
     publisher = make_publisher(settings)
     assert publisher.ships_adapters and publisher.pushes_directly
     assert publisher.path_for(7).name == "adapter-v000007"  # type: ignore[attr-defined]
+
+
+def test_published_version_dirs_keep_the_newest_up_to_the_one_just_published(tmp_path: Path) -> None:
+    from miles.trainer.publish_ledger import prune_version_dirs
+
+    for name in [*(f"adapter-v{v:06d}" for v in (1, 2, 3, 4, 5, 9)), "adapter-vtmp", "weights-v000001"]:
+        (tmp_path / name).mkdir()
+    prune_version_dirs(tmp_path, "adapter-v", newest=5, keep_last=2)
+    left = sorted(path.name for path in tmp_path.iterdir())  # 9 is ahead of 5 (a resumed run): not this call's
+    assert left == ["adapter-v000004", "adapter-v000005", "adapter-v000009", "adapter-vtmp", "weights-v000001"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ from miles.common.contracts.adapters import adapter_name
 from miles.common.errors import ConfigError, UnavailableError
 from miles.trainer.errors import PublishStateError
 from miles.trainer.publish import WeightPublisher
-from miles.trainer.publish_ledger import PublishLedger, VersionRecord
+from miles.trainer.publish_ledger import PublishLedger, VersionRecord, prune_version_dirs
 from miles.weightsync.adapters import PoolAdapters, write_adapter_dir
 from miles.weightsync.engine_client import RouterClient
 
@@ -131,13 +130,7 @@ class AdapterPublisher(WeightPublisher):
             )
 
     def _retain(self, newest: int) -> None:
-        versions = sorted(
-            int(path.name.removeprefix(VERSION_PREFIX))
-            for path in self.root.glob(f"{VERSION_PREFIX}*")
-            if path.name.removeprefix(VERSION_PREFIX).isdigit()
-        )
-        for version in [v for v in versions if v <= newest][: -self.keep_last]:
-            shutil.rmtree(self.path_for(version), ignore_errors=True)
+        prune_version_dirs(self.root, VERSION_PREFIX, newest=newest, keep_last=self.keep_last)
 
     async def reconcile(self) -> int:
         """Load the live version where it is missing; the number of engines that still do not hold it."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from miles.common.errors import ConfigError
 from miles.trainer.checkpoint import TEMP_PREFIX, atomic_publish_dir, write_hf_dir
 from miles.trainer.publish import WeightPublisher
-from miles.trainer.publish_ledger import PublishLedger, VersionRecord
+from miles.trainer.publish_ledger import PublishLedger, VersionRecord, prune_version_dirs
 from miles.weightsync.engine_client import EngineClient
 from miles.weightsync.transports import LoadResult, PreparedLoad, WeightTransport
 from miles.weightsync.weights import WeightSet
@@ -248,13 +247,7 @@ class DiskPublisher(_EnginePublisher):
         return final
 
     def _retain(self, newest: int) -> None:
-        versions = sorted(
-            int(path.name.removeprefix(VERSION_PREFIX))
-            for path in self.root.glob(f"{VERSION_PREFIX}*")
-            if path.name.removeprefix(VERSION_PREFIX).isdigit()
-        )
-        for version in [v for v in versions if v <= newest][: -self.keep_last]:
-            shutil.rmtree(self.path_for(version), ignore_errors=True)
+        prune_version_dirs(self.root, VERSION_PREFIX, newest=newest, keep_last=self.keep_last)
 
 
 class _DiskPathTransport(WeightTransport):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,3 +114,15 @@ class PublishLedger:
 
 def now_unix_ms() -> int:
     return int(time.time() * 1000)
+
+
+def prune_version_dirs(root: Path, prefix: str, *, newest: int, keep_last: int) -> None:
+    """Remove the `<prefix><version>` directories under `root` but the `keep_last` newest up to `newest` (the ones a
+    publisher wrote for the engines to load; newer ones, from a run that resumed behind them, are left alone)."""
+    versions = sorted(
+        int(path.name.removeprefix(prefix))
+        for path in root.glob(f"{prefix}*")
+        if path.name.removeprefix(prefix).isdigit()
+    )
+    for version in [v for v in versions if v <= newest][:-keep_last]:
+        shutil.rmtree(root / f"{prefix}{version:06d}", ignore_errors=True)
