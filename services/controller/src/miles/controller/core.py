@@ -157,9 +157,10 @@ class JobService:
 
     async def delete(self, job_id: str) -> None:
         """Delete an ended job's record, events and shared-service registrations (409 while it is active)."""
+        record = await self.store.get(job_id)
         await self.store.delete(job_id)
         try:
-            await self.supervisor.shared.unregister(job_id)
+            await self.supervisor.shared.unregister(job_id, record.spec)
         except MilesError as exc:  # the job is gone; its leftovers expire or are overwritten by nothing
             log.warning("could not unregister a deleted job", extra={"job_id": job_id, "error": exc.message})
 

@@ -6,7 +6,8 @@ per-job statistics while it runs, unregister it when it is deleted.
   `record_routing` = `train.routing_replay` when set, `roles` and `tree_sessions` from the rollout
   section when set) with the operator token; it answers the config it stored, whose `record_routing` (resolved
   from the model when unset) `register` returns for the job's engines.
-  `DELETE` of it on job deletion.
+  `DELETE` of it on job deletion. Each of the job's inference pools gets a config of its own,
+  `<job id>--<pool name>`, naming its model and its router pool (sessions of a judge or a teacher).
 - buffer: gRPC `ConfigureJob` (the job's queue, created before any worker pushes) and `DeleteJob`.
 - router: `GET /admin/v1/stats?pool=<job id>` for the job's prefix hit rate (counters of the replica that answers:
   with several router replicas this is one replica's view).
@@ -28,6 +29,7 @@ from miles.common.errors import MilesError, UnavailableError, error_class_for_ht
 from miles.common.grpc_client import create_channel, error_from_rpc_error
 from miles.common.http_client import traced_async_client
 from miles.common.jobspec.job import JobSpec
+from miles.common.jobspec.pools import inference_pool_router_name
 from miles.controller.backends.base import SharedServices
 from miles.controller.routing_replay import session_record_routing
 from miles.proto.buffer.v1 import buffer_pb2, buffer_pb2_grpc
@@ -93,16 +95,28 @@ class SharedServicesClient:
             stored = await self._session_call("PUT", job_id, body)
             resolved = stored.get("record_routing")
             record_routing = resolved if isinstance(resolved, bool) else None
+            for pool in spec.inference_pools:  # a judge's or teacher's sessions run on that pool's engines
+                pool_id = inference_pool_router_name(job_id, pool.name)
+                pool_body = {
+                    "model_path": pool.model_path,
+                    "model_family": pool.model_family,
+                    "engine_pool": pool_id,
+                    "chat_template_kwargs": pool.chat_template_kwargs,
+                }
+                await self._session_call("PUT", pool_id, pool_body)
         if self._buffer is not None:
             config = buffer_pb2.JobBufferConfig(stale_policy=buffer_pb2.STALE_POLICY_DROP)
             request = buffer_pb2.ConfigureJobRequest(job_id=job_id, config=config)
             await self._grpc(self._buffer.ConfigureJob, request)
         return record_routing
 
-    async def unregister(self, job_id: str) -> None:
-        """Remove the job's session config and buffer queue (nothing there is fine)."""
+    async def unregister(self, job_id: str, spec: JobSpec) -> None:
+        """Remove the job's session configs (its own and its inference pools') and buffer queue (nothing there is
+        fine)."""
         if self.shared.session_url:
             await self._session_call("DELETE", job_id, None, missing_ok=True)
+            for pool in spec.inference_pools:
+                await self._session_call("DELETE", inference_pool_router_name(job_id, pool.name), None, missing_ok=True)
         if self._buffer is not None:
             await self._grpc(self._buffer.DeleteJob, buffer_pb2.DeleteJobRequest(job_id=job_id))
 

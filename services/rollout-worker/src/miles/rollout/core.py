@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from miles.buffer.client import BufferClient
 from miles.common.jobspec.rollout import RolloutSpec
+from miles.rollout import pools
 from miles.rollout.cursor import DatasetCursor
 from miles.rollout.dataset import Dataset
 from miles.rollout.episode import EpisodeRunner
@@ -29,6 +30,7 @@ from miles.rollout.scheduler import RolloutScheduler
 from miles.rollout.sessions import SessionClient
 from miles.rollout.settings import RolloutSettings
 from miles.rollout.sweeper import OrphanSweeper
+from miles.rollout.teacher import TeacherScorer
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class RolloutWorker:
             retry_budget_s=settings.retry_budget_s,
             on_retry=lambda operation: metrics.session_call_retries.labels(operation=operation).inc(),
         )
+        pools.configure(pools.InferencePools(sessions, settings.inference_pools))  # for reward functions (a judge)
         ledger = SessionLedger(redis_client, key_prefix=settings.key_prefix, job_id=job_id)
         sweeper = OrphanSweeper(sessions, ledger, job_id=job_id, min_age_s=settings.orphan_min_age_s, metrics=metrics)
         sessions.on_uncertain_create = sweeper.request
@@ -110,6 +113,14 @@ class RolloutWorker:
                 settings.sandbox_http_url, settings.sandbox_address, settings.sandbox_token.get_secret_value()
             ),
             ledger=ledger,
+            teacher=TeacherScorer(
+                settings.router_url,
+                settings.teacher_pool,
+                request_timeout_s=settings.session_request_timeout_s,
+                retry_budget_s=settings.retry_budget_s,
+            )
+            if settings.teacher_pool
+            else None,
         )
         buffer = BufferClient(settings.buffer_address)
         pusher = GroupPusher(buffer, job_id=job_id, metrics=metrics, push_wait_s=settings.push_wait_s)
@@ -185,6 +196,8 @@ class RolloutWorker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.runner.drain()
+        if self.runner.teacher is not None:
+            await self.runner.teacher.close()
         await self.source.close()
         await self.sessions.close()
         await self.buffer.close()

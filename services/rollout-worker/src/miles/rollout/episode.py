@@ -56,6 +56,7 @@ from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.rewards import EpisodeToScore, Scorer
 from miles.rollout.role_sessions import RoleSession, SessionCleaner
 from miles.rollout.sessions import SessionClient, SessionHandle
+from miles.rollout.teacher import TeacherScorer, TeacherUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class EpisodeRunner:
         worker_id: str,
         agent_extra_metadata: dict[str, Any] | None = None,
         ledger: SessionLedger | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.spec = spec
         self.sessions = sessions
@@ -127,6 +129,8 @@ class EpisodeRunner:
         self.worker_id = worker_id
         self.agent_extra_metadata = dict(agent_extra_metadata or {})
         self.ledger = ledger
+        self.teacher = teacher
+        """On-policy distillation: scores every trainable sample on the teacher pool after the reward."""
         self.roles: tuple[str, ...] = tuple(spec.roles) or ("",)
         """The roles of each episode's sessions, in the spec's order; ("",): one session without a role."""
         self.cleaner = SessionCleaner(sessions, ledger, metrics)
@@ -292,7 +296,16 @@ class EpisodeRunner:
         if self._apply_partial_rollout(result):
             return result
         await self._score(task, opened[0].handle, result)
+        if self.teacher is not None and result.reason in ("ok", "truncated"):
+            await self._score_on_teacher(self.teacher, result)
         return result
+
+    async def _score_on_teacher(self, teacher: TeacherScorer, result: _Attempt) -> None:
+        try:
+            await teacher.score([s for s in result.samples if sample_ops.is_trainable(s)])
+        except TeacherUnavailableError as exc:
+            sample_ops.mark(result.samples, sample_ops.ABORTED, "teacher_unavailable", str(exc))
+            result.reason = "teacher_unavailable"
 
     async def _collect(
         self, task: EpisodeTask, attempt: int, episode_id: str, opened: list[RoleSession]

@@ -56,6 +56,18 @@ class RolloutSettings(ServiceSettings):
     session_operator_token: SecretStr = SecretStr("")
     """Operator token of the session server (creates sessions); empty when it runs without one (loopback)."""
 
+    inference_pools: dict[str, str] = Field(default_factory=dict)
+    """The job's inference pools (a judge, a teacher): pool name -> its session-server job config and router pool
+    (`<job_id>--<name>`); reward functions open sessions on them (`miles.rollout.pools`). Set by the controller."""
+
+    router_url: str = ""
+    """Base URL of the rollout router (SGLang protocol), through which `teacher_pool` scores samples."""
+
+    teacher_pool: str = ""
+    """On-policy distillation: router pool of the job's teacher (`<job_id>--<name>`); every trainable sample gets
+    the teacher's logprobs of its response tokens (`miles.rollout.teacher`). "" = no distillation. Set by the
+    controller from `train.distillation`."""
+
     session_request_timeout_s: float = Field(default=120.0, gt=0)
     """Timeout of one session-server call (create, samples, delete)."""
 
@@ -112,4 +124,6 @@ class RolloutSettings(ServiceSettings):
     def _job_needs_section(self) -> Self:
         if self.job_id and self.rollout is None:
             raise ValueError("a job_id needs its rollout section (`rollout` in MILES_ROLLOUT_CONFIG_FILE)")
+        if self.teacher_pool and not self.router_url:
+            raise ValueError("teacher_pool needs router_url (the teacher is scored through the rollout router)")
         return self

@@ -84,7 +84,9 @@ class Admission:
 
     @property
     def discards_zero_signal(self) -> bool:
-        return self.train.dynamic_sampling and self.train.loss.kind == "policy_gradient"
+        """Dynamic sampling, but never with distillation: the teacher's signal is per token, whatever the rewards."""
+        distills = self.train.distillation is not None
+        return self.train.dynamic_sampling and self.train.loss.kind == "policy_gradient" and not distills
 
     def recently_committed(self, group_id: str) -> bool:
         return any(group_id in ids for ids in self.recent_commits)
@@ -107,6 +109,7 @@ class Admission:
                 max_positions=self.shape.max_positions,
                 routing=self.shape.routing,
                 routing_replay=self.routing_replay,
+                distillation=self.train.distillation is not None,
             )
         except BadGroupError as exc:
             await self.reject(leased, exc.reason, exc.message, step=step)

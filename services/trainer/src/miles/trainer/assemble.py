@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.advantages import SampleReward, compute_advantages
 from miles.trainer.batch import TrainSample
+from miles.trainer.distillation import apply_distillation
 from miles.trainer.packing import plan_micro_batches
 from miles.trainer.roles import role_stats
 from miles.trainer.step import MiniBatch, StepPlan
@@ -78,6 +79,7 @@ def assemble(
         advantages = compute_advantages(rewards, config.loss.advantage_estimator, eps=config.loss.advantage_eps)
         for sample, advantage in zip(samples, advantages, strict=True):
             sample.advantage = advantage
+    distill_stats = apply_distillation(samples, config.distillation) if config.distillation is not None else {}
     trainable = [s for s in samples if s.trainable]
     reward_mean, reward_std = _mean_std([s.reward for s in trainable])
     advantage_mean, advantage_std = _mean_std([s.advantage for s in trainable])
@@ -98,6 +100,7 @@ def assemble(
         "num_micro_batches": float(plan.num_micro_batches),
         "response_length_mean": _mean_std([len(s.loss_mask) for s in trainable])[0],
         **role_stats(samples),
+        **distill_stats,
     }
     num_tokens = sum(s.num_tokens for s in samples)
     return AssembledBatch(plan=plan, stats=stats, num_samples=len(samples), num_tokens=num_tokens)

@@ -42,6 +42,7 @@ REJECT_REASONS = (
     "empty_prompt",
     "superseded_version",
     "bad_role",
+    "missing_teacher_logprobs",
 )
 ROLE_KEY = "role"
 """The Sample.metadata key naming a sample's role in a multi-agent episode."""
@@ -84,6 +85,12 @@ class TrainSample:
     samples that are not trained on. Replayed only when the job replays (`TrainConfig.routing_replay`)."""
     role: str | None = None
     """The sample's role in a multi-agent episode (`metadata["role"]`); None: no role."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of each response token (`Sample.teacher_logprobs`); None when
+    the sample carries none."""
+    token_advantages: list[float] | None = None
+    """A per-response-token advantage (on-policy distillation) that replaces `advantage` in the loss; None: every
+    token gets `advantage`."""
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +117,8 @@ def _check_sample(sample: common_pb2.Sample, where: str, vocab_size: int, max_po
         raise BadGroupError("too_long", f"{where} has {num_tokens} tokens, the model allows {max_positions}")
     if not math.isfinite(sample.reward) or any(not math.isfinite(lp) for lp in sample.rollout_logprobs):
         raise BadGroupError("non_finite", f"{where} has a non-finite reward or rollout logprob")
+    if any(not math.isfinite(lp) for lp in sample.teacher_logprobs):
+        raise BadGroupError("non_finite", f"{where} has a non-finite teacher logprob")
     if sample.response_start == 0 and any(sample.loss_mask[:1]):
         raise BadGroupError("empty_prompt", f"{where}: the first token has no context to be scored in")
 
@@ -176,9 +185,11 @@ def samples_from_group(
     max_positions: int,
     routing: RoutingShape | None = None,
     routing_replay: bool = False,
+    distillation: bool = False,
 ) -> list[TrainSample]:
     """Validated samples of one group; raises BadGroupError. `routing`: the model's MoE routing shape (None: a
-    dense model); `routing_replay`: whether the job replays routing (trainable samples must then carry it)."""
+    dense model); `routing_replay`: whether the job replays routing (trainable samples must then carry it);
+    `distillation`: whether the job distills (trainable samples must then carry their teacher's logprobs)."""
     if not group.samples:
         raise BadGroupError("empty_group", f"group {group.group_id!r} has no samples")
     samples = []
@@ -188,6 +199,8 @@ def samples_from_group(
         trainable = sample.status in TRAINABLE_STATUSES
         role = _role(sample, where)
         routed = _routed_experts(sample, where, routing, routing_replay) if trainable else None
+        if distillation and trainable and not sample.teacher_logprobs:
+            raise BadGroupError("missing_teacher_logprobs", f"{where} of a distillation job has no teacher logprobs")
         versions = [span.weight_version for span in sample.weight_versions]
         samples.append(
             TrainSample(
@@ -205,6 +218,7 @@ def samples_from_group(
                 span_versions=tuple(versions),
                 routed_experts=routed,
                 role=role,
+                teacher_logprobs=list(sample.teacher_logprobs) if sample.teacher_logprobs else None,
             )
         )
     return samples

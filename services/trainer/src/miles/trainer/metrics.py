@@ -55,6 +55,9 @@ STEP_GAUGES: dict[str, str] = {
     "num_optimizer_steps_skipped": "Optimizer steps the last trainer step skipped (minibatches without signal)",
     "zero_signal_fraction": "Fraction of the valid groups pulled for the last step whose rewards were all equal",
     "routing_replay": "MoE models: 1 when the trainer replays the rollout's routing (R3), 0 when it routes itself",
+    "distill_reverse_kl_mean": "On-policy distillation: mean (student - teacher) logprob over the batch's loss "
+    "tokens, the per-token reverse-KL estimate at the student's own tokens, last step",
+    "distill_advantage_mean": "On-policy distillation: mean per-token advantage over loss tokens, last step",
 }
 _LAYER_AGREEMENT = re.compile(r"routing_agreement_layer_(\d+)")
 

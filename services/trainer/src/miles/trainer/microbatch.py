@@ -52,7 +52,10 @@ def flatten(samples: Sequence[TrainSample], trainer_version: int) -> Flat:
         mask = sample.loss_mask if sample.trainable else [0] * n
         masks.append(torch.tensor(mask, dtype=torch.float32))
         rollout.append(torch.tensor(sample.rollout_logprobs, dtype=torch.float32))
-        advantages.append(torch.full((n,), sample.advantage, dtype=torch.float32))
+        if sample.token_advantages is not None:
+            advantages.append(torch.tensor(sample.token_advantages, dtype=torch.float32))
+        else:
+            advantages.append(torch.full((n,), sample.advantage, dtype=torch.float32))
         seq_ids.append(torch.full((n,), index, dtype=torch.long))
         is_current = sample.min_version == trainer_version and sample.max_version == trainer_version
         current.append(torch.full((n,), float(is_current)))

@@ -71,6 +71,12 @@ def sample_problem(sample: common_pb2.Sample) -> SampleProblem | None:
             "token_rewards",
             f"token_rewards has {len(sample.token_rewards)} entries, need 0 or {num_response}",
         )
+    if sample.teacher_logprobs and len(sample.teacher_logprobs) != num_response:
+        return SampleProblem(
+            "misaligned",
+            "teacher_logprobs",
+            f"teacher_logprobs has {len(sample.teacher_logprobs)} entries, need 0 or {num_response}",
+        )
     if sample.status not in KNOWN_STATUSES:
         return SampleProblem("unknown_status", "status", f"status {sample.status} is not a known SampleStatus")
     span_problem = _span_problem(sample, num_response)

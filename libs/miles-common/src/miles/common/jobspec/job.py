@@ -17,6 +17,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from miles.common.jobspec.pools import InferencePoolSpec
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.jobspec.trainer import TrainConfig
 
@@ -166,6 +167,31 @@ class JobSpec(_Section):
 
     resources: ResourcesSpec = ResourcesSpec()
     """Per-job pool sizes and node pools."""
+
+    inference_pools: list[InferencePoolSpec] = Field(default_factory=list, max_length=4)
+    """Extra inference pools of the job (a judge, a teacher ...): engines of their own model, no weight updates,
+    reached by name (`miles.common.jobspec.pools`). At most 4, names unique."""
+
+    @field_validator("inference_pools")
+    @classmethod
+    def _unique_pool_names(cls, pools: list[InferencePoolSpec]) -> list[InferencePoolSpec]:
+        names = [pool.name for pool in pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"inference pool names must be unique (got {names})")
+        return pools
+
+    def inference_pool(self, name: str) -> InferencePoolSpec | None:
+        return next((pool for pool in self.inference_pools if pool.name == name), None)
+
+    @model_validator(mode="after")
+    def _teacher_pool_declared(self) -> Self:
+        distillation = self.train.distillation
+        if distillation is not None and self.inference_pool(distillation.teacher_pool) is None:
+            raise ValueError(
+                f"train.distillation.teacher_pool {distillation.teacher_pool!r} is not one of the job's "
+                f"inference_pools ({[pool.name for pool in self.inference_pools]})"
+            )
+        return self
 
     def placement_problems(self) -> list[tuple[str, str]]:
         """(field, why) of choices that are valid on their own but not on these resources (the controller answers

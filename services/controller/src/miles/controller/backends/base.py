@@ -139,7 +139,8 @@ class JobProgress:
     error: str = ""
     """Why the job failed (phase `failed`), or the latest recoverable problem (e.g. a restarted process)."""
     pools: dict[str, int] = field(default_factory=dict)
-    """Live replicas per pool: `engines`, `rollout_workers`, `trainer`."""
+    """Live replicas per pool: `engines`, `rollout_workers`, `trainer`, and `inference_engines` (ready engines of
+    the job's inference pools, all together) when it has any."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Job metrics the backend can read (added to the job record as they are): the trainer's
     `Status.last_step_metrics` as they are (`reward_mean`, `staleness_mean`, `staleness_max`,

@@ -140,6 +140,10 @@ class LocalJobBackend:
             "rollout_workers": sum(1 for r in job.by_role("worker") if self.table.is_running(r)),
             "trainer": sum(1 for r in job.by_role("trainer") if self.table.is_running(r)),
         }
+        if spec.inference_pools:
+            pools["inference_engines"] = sum(
+                1 for r in job.by_role("inference") if r.ready and self.table.is_running(r)
+            )
         metrics = dict(status.last_step_metrics) if status is not None else {}
         worker_urls = [record.url for record in job.by_role("worker") if record.ready]
         tito_critical = await self.readers.counter_sum(worker_urls, TITO_CRITICAL_METRIC)
@@ -181,6 +185,8 @@ class LocalJobBackend:
                 return
             for engine in job.by_role("engine"):  # a job on a shared pool has none: the pool outlives it
                 await self.pool.deregister(job_id, engine.url)
+            for engine in job.by_role("inference"):
+                await self.pool.deregister(str(engine.extra["router_pool"]), engine.url)
             records = list(job.processes.values())
             await asyncio.to_thread(self.table.stop_all, records, self.stop_grace_s)
             for record in records:
@@ -261,6 +267,7 @@ class LocalJobBackend:
             )
             records.append(weightsync)
             origin = weightsync.url
+        records += layout.inference_engine_records(job.job_dir, job.job_id, spec, self.shared.tokens)
         records += [
             layout.worker_record(job.job_dir, job.job_id, spec, self.shared, i)
             for i in range(spec.resources.rollout_workers.replicas)

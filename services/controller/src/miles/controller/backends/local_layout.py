@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.common.jobspec.job import JobSpec
+from miles.common.jobspec.pools import inference_pool_router_name
 from miles.common.ports import free_port
 from miles.common.spawn import SettingValue, console_script, settings_env
 from miles.controller.backends.base import PlatformTokens, SharedServices
@@ -50,6 +51,12 @@ def unsupported(spec: JobSpec, shared: SharedServices) -> tuple[str, str] | None
             declared = [pool.name for pool in shared.shared_pools]
             return "resources.engines.shared_pool", f"no shared engine pool {pool_name!r} is declared ({declared})"
         return None
+    for pool in spec.inference_pools:
+        if pool.kind != "cpu":
+            return "inference_pools", (
+                f"inference pool {pool.name!r} has kind {pool.kind!r}, which needs the kubernetes backend (the local "
+                "backend runs miles-engine: kind 'cpu')"
+            )
     if spec.resources.engines.kind != "cpu":
         kind = spec.resources.engines.kind
         return "resources.engines.kind", (
@@ -76,38 +83,52 @@ def _engines_record_routing(spec: JobSpec, record_routing: bool | None) -> bool:
     return engines_record_routing(spec, read_model_routing(spec.model.path), record_routing)
 
 
+def engine_process(
+    name: str, model_path: str, args: list[str], log_dir: Path, tokens: PlatformTokens, extra: dict[str, Any]
+) -> ProcessRecord:
+    """A `miles-engine` on a free port serving `model_path` at version 0, with `args` after the common ones."""
+    port = free_port()
+    argv = [console_script("miles-engine"), "--model-path", model_path, "--port", str(port), "--weight-version", "0"]
+    url = f"http://127.0.0.1:{port}"
+    return ProcessRecord(
+        name=name,
+        role="engine",
+        argv=[*argv, *args],
+        env={
+            **settings_env("ENGINE", {"log_json": False}),
+            **token_env("ENGINE", {"admin_api_key": tokens.engine_admin_api_key, "api_key": tokens.engine_api_key}),
+        },
+        log_path=str(log_dir / f"{name}.log"),
+        ready_url=f"{url}/readyz",
+        url=url,
+        extra=extra,
+    )
+
+
 def engine_record(
     job_dir: Path, spec: JobSpec, index: int, tokens: PlatformTokens, *, record_routing: bool | None = None
 ) -> ProcessRecord:
     """Engine `index`; `record_routing` is the session server's resolved value (used when this process cannot read
     the model)."""
-    port = free_port()
-    argv = [
-        console_script("miles-engine"),
-        "--model-path",
-        spec.model.path,
-        "--port",
-        str(port),
-        "--weight-version",
-        "0",
-        *spec.resources.engines.extra_args,
-    ]
+    args = list(spec.resources.engines.extra_args)
     if _engines_record_routing(spec, record_routing):
-        argv.append(ENGINE_ROUTING_FLAG)
-    url = f"http://127.0.0.1:{port}"
-    return ProcessRecord(
-        name=f"engine-{index}",
-        role="engine",
-        argv=argv,
-        env={
-            **settings_env("ENGINE", {"log_json": False}),
-            **token_env("ENGINE", {"admin_api_key": tokens.engine_admin_api_key, "api_key": tokens.engine_api_key}),
-        },
-        log_path=str(job_dir / f"engine-{index}.log"),
-        ready_url=f"{url}/readyz",
-        url=url,
-        extra={"index": index},
-    )
+        args.append(ENGINE_ROUTING_FLAG)
+    return engine_process(f"engine-{index}", spec.model.path, args, job_dir, tokens, {"index": index})
+
+
+def inference_engine_records(job_dir: Path, job_id: str, spec: JobSpec, tokens: PlatformTokens) -> list[ProcessRecord]:
+    """The engines of the job's inference pools (`<pool>-<i>`, role `inference`), each registered at the router in
+    its pool's own router pool (`router_pool`), never loaded with new weights."""
+    records = []
+    for pool in spec.inference_pools:
+        for index in range(pool.replicas):
+            extra = {"index": index, "router_pool": inference_pool_router_name(job_id, pool.name)}
+            record = engine_process(
+                f"{pool.name}-{index}", pool.model_path, list(pool.extra_args), job_dir, tokens, extra
+            )
+            record.role = "inference"
+            records.append(record)
+    return records
 
 
 def weightsync_record(
@@ -155,6 +176,12 @@ def write_weightsync_config(
     record.env = {**settings_env("WEIGHTSYNC", {"config_file": path}), **token_env("WEIGHTSYNC", tokens)}
 
 
+def teacher_router_pool(job_id: str, spec: JobSpec) -> str:
+    """The router pool of the job's distillation teacher ("" without `train.distillation`)."""
+    distillation = spec.train.distillation
+    return inference_pool_router_name(job_id, distillation.teacher_pool) if distillation is not None else ""
+
+
 def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, index: int) -> ProcessRecord:
     port = free_port()
     name = f"worker-{index}"
@@ -167,6 +194,9 @@ def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServi
         "redis_url": shared.redis_url,
         "session_server_url": shared.session_url,
         "session_operator_token": shared.session_operator_token,
+        "inference_pools": {pool.name: inference_pool_router_name(job_id, pool.name) for pool in spec.inference_pools},
+        "router_url": shared.router_url,
+        "teacher_pool": teacher_router_pool(job_id, spec),
         "buffer_address": shared.buffer_address,
         "sandbox_address": shared.sandbox_address,
         "sandbox_http_url": shared.sandbox_http_url,

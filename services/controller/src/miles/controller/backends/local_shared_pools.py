@@ -19,10 +19,8 @@ import contextlib
 import logging
 from pathlib import Path
 
-from miles.common.ports import free_port
-from miles.common.spawn import console_script, settings_env
 from miles.controller.backends.base import PlatformTokens, SharedPool
-from miles.controller.backends.local_layout import token_env
+from miles.controller.backends.local_layout import engine_process
 from miles.controller.backends.local_processes import ProcessRecord
 from miles.controller.backends.local_state import LocalJob
 from miles.controller.backends.local_supervise import ProcessSupervisor
@@ -32,23 +30,8 @@ log = logging.getLogger(__name__)
 
 def pool_engine_record(pool_dir: Path, pool: SharedPool, index: int, tokens: PlatformTokens) -> ProcessRecord:
     """Engine `index` of the shared pool: the base model with the pool's LoRA flags, then its extra args."""
-    port = free_port()
-    argv = [console_script("miles-engine"), "--model-path", pool.model_path, "--port", str(port)]
-    argv += ["--weight-version", "0", *pool.engine_args(), *pool.extra_args]
-    url = f"http://127.0.0.1:{port}"
-    return ProcessRecord(
-        name=f"engine-{index}",
-        role="engine",
-        argv=argv,
-        env={
-            **settings_env("ENGINE", {"log_json": False}),
-            **token_env("ENGINE", {"admin_api_key": tokens.engine_admin_api_key, "api_key": tokens.engine_api_key}),
-        },
-        log_path=str(pool_dir / f"engine-{index}.log"),
-        ready_url=f"{url}/readyz",
-        url=url,
-        extra={"index": index},
-    )
+    args = [*pool.engine_args(), *pool.extra_args]
+    return engine_process(f"engine-{index}", pool.model_path, args, pool_dir, tokens, {"index": index})
 
 
 class SharedPoolRunner:

@@ -4,8 +4,9 @@ with an exponential backoff, notice readiness, keep engines registered in their 
 A group is a `LocalJob` whose `job_id` names its router pool (the job id, or the shared pool's name). A process that
 exited is started again after `restart_backoff_initial_s` doubling up to `restart_backoff_max_s`; after
 `max_restarts` restarts in a row without `restart_reset_s` of uptime the group fails with the process name, its exit
-code and the tail of its log. Every `POOL_CHECK_INTERVAL_S` the router's view is compared with the group's engines,
-and those it forgot (it restarted: its registry is in memory) are registered again.
+code and the tail of its log. Every `POOL_CHECK_INTERVAL_S` the router's view is compared with the group's engines
+(and its inference pools' engines, in their own router pools), and those it forgot (it restarted: its registry is
+in memory) are registered again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ class RestartPolicy:
     restart_backoff_max_s: float = 30.0
     restart_reset_s: float = 60.0
     """Uptime after which a process's restarts-in-a-row count starts again from 0."""
+
+
+def router_pool_of(group: LocalJob, record: ProcessRecord) -> str:
+    """The router pool a process serves in ("" for one that is not an engine): the group's pool for its engines,
+    the inference pool's own for an engine of a job's judge or teacher."""
+    if record.role == "engine":
+        return group.job_id
+    return str(record.extra.get("router_pool", ""))
 
 
 class ProcessSupervisor:
@@ -70,8 +79,8 @@ class ProcessSupervisor:
         if not record.ready:
             record.ready = await self._is_ready(record)
             changed |= record.ready
-        if record.role == "engine" and record.ready and not record.registered:
-            record.registered = await self.pool.register(group.job_id, record.url)
+        if router_pool_of(group, record) and record.ready and not record.registered:
+            record.registered = await self.pool.register(router_pool_of(group, record), record.url)
             changed |= record.registered
         return changed
 
@@ -110,14 +119,16 @@ class ProcessSupervisor:
     async def _check_pool(self, group: LocalJob, now: float) -> bool:
         """Every few seconds: engines the router forgot (it restarted) are registered again."""
         key = str(group.job_dir)
-        if not group.by_role("engine") or now - self._last_pool_check.get(key, 0.0) < POOL_CHECK_INTERVAL_S:
+        routed = [record for record in group.processes.values() if router_pool_of(group, record)]
+        if not routed or now - self._last_pool_check.get(key, 0.0) < POOL_CHECK_INTERVAL_S:
             return False
         self._last_pool_check[key] = now
-        known = await self.pool.engine_urls(group.job_id)
-        if known is None:
-            return False
         changed = False
-        for record in group.by_role("engine"):
-            if record.registered and record.url not in known:
-                record.registered, changed = False, True
+        for pool_name in sorted({router_pool_of(group, record) for record in routed}):
+            known = await self.pool.engine_urls(pool_name)
+            if known is None:
+                continue
+            for record in routed:
+                if router_pool_of(group, record) == pool_name and record.registered and record.url not in known:
+                    record.registered, changed = False, True
         return changed

@@ -1,0 +1,34 @@
+"""On-policy distillation: the student samples as usual, a teacher scores the student's own tokens.
+
+The teacher is one of the job's inference pools (`JobSpec.inference_pools`, named by `teacher_pool`): after an
+episode, the rollout worker asks it for the log-probability of every response token given everything before it
+(SGLang's /generate with `max_new_tokens` 0, `return_logprob` and `logprob_start_len`: `input_token_logprobs`),
+and the sample carries them (`Sample.teacher_logprobs`). The trainer's per-token advantage is then
+
+    A_t = kl_coef * (log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t)) + reward_weight * A_reward
+
+with the student's logprob taken as the one it sampled with (`rollout_logprobs`): the negative of the per-token
+reverse-KL estimate, so maximising it pulls the student to the teacher on the states it visits itself; A_reward is
+the job's advantage estimator on the task reward (0 with `reward_weight` 0, pure distillation). Student and teacher
+must share a tokenizer (the teacher scores the student's token ids as they are).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DistillationConfig(BaseModel):
+    """`train.distillation`: on-policy distillation from a teacher pool."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    teacher_pool: str = Field(min_length=1)
+    """Name of the job's inference pool that serves the teacher (`inference_pools[].name`)."""
+
+    kl_coef: float = Field(default=1.0, gt=0)
+    """Weight of the per-token distillation advantage (teacher logprob - student logprob)."""
+
+    reward_weight: float = Field(default=0.0, ge=0)
+    """Weight of the task reward's advantage added to every token (0: pure distillation; then dynamic sampling does
+    not discard groups of equal rewards: the teacher's signal is per token)."""

@@ -1,0 +1,73 @@
+"""On-policy distillation in the trainer: per-token advantages from the teacher's logprobs, pinned by hand, their
+place in the flattened batch, and the samples a distillation job refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.common.jobspec.distillation import DistillationConfig
+from miles.proto.common.v1 import common_pb2
+from miles.trainer.batch import BadGroupError, TrainSample, samples_from_group
+from miles.trainer.distillation import apply_distillation
+from miles.trainer.microbatch import flatten
+
+
+def sample(mask: list[int], rollout: list[float], teacher: list[float] | None, advantage: float) -> TrainSample:
+    n = len(mask)
+    return TrainSample(
+        group_id="g",
+        sample_id=f"s{advantage}",
+        group_index=0,
+        tokens=list(range(1, n + 3)),
+        response_start=2,
+        loss_mask=mask,
+        rollout_logprobs=rollout,
+        reward=0.0,
+        trainable=True,
+        min_version=0,
+        max_version=0,
+        advantage=advantage,
+        teacher_logprobs=teacher,
+    )
+
+
+def test_token_advantages_are_the_teacher_minus_student_logprob_plus_the_weighted_reward_advantage() -> None:
+    first = sample([1, 0, 1], [-1.0, -9.0, -0.5], [-0.25, -2.0, -1.5], advantage=0.5)
+    second = sample([1, 1], [-2.0, -0.125], [-1.0, -0.125], advantage=-1.0)
+    stats = apply_distillation([first, second], DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.5))
+    # first: 2 * (-0.25 + 1.0) + 0.25 = 1.75; masked: 0; 2 * (-1.5 + 0.5) + 0.25 = -1.75
+    assert first.token_advantages == [1.75, 0.0, -1.75]
+    # second: 2 * (-1.0 + 2.0) - 0.5 = 1.5; 2 * 0 - 0.5 = -0.5
+    assert second.token_advantages == [1.5, -0.5]
+    # reverse KL (student - teacher) over the 4 loss tokens: (-0.75 + 1.0 - 1.0 + 0.0) / 4
+    assert stats["distill_reverse_kl_mean"] == pytest.approx(-0.1875)
+    assert stats["distill_advantage_mean"] == pytest.approx((1.75 - 1.75 + 1.5 - 0.5) / 4)
+    flat = flatten([first, second], trainer_version=0)
+    assert flat.advantages.tolist() == [1.75, 0.0, -1.75, 1.5, -0.5]
+
+
+def test_a_distillation_job_refuses_a_trainable_sample_without_teacher_logprobs() -> None:
+    scored = common_pb2.Sample(
+        tokens=[1, 2, 3],
+        response_start=1,
+        loss_mask=[1, 1],
+        rollout_logprobs=[-0.5, -0.5],
+        teacher_logprobs=[-0.25, -1.0],
+        status=common_pb2.SAMPLE_STATUS_COMPLETED,
+    )
+    unscored = common_pb2.Sample()
+    unscored.CopyFrom(scored)
+    del unscored.teacher_logprobs[:]
+    kwargs = {"vocab_size": 16, "max_positions": 16, "distillation": True}
+    taken = samples_from_group(common_pb2.Group(group_id="a", samples=[scored]), 0, **kwargs)
+    assert taken[0].teacher_logprobs == [-0.25, -1.0]
+    with pytest.raises(BadGroupError) as refused:
+        samples_from_group(common_pb2.Group(group_id="b", samples=[scored, unscored]), 0, **kwargs)
+    assert refused.value.reason == "missing_teacher_logprobs"
+    assert samples_from_group(common_pb2.Group(group_id="c", samples=[unscored]), 0, vocab_size=16, max_positions=16)
+    misaligned = common_pb2.Sample()
+    misaligned.CopyFrom(scored)
+    misaligned.teacher_logprobs.append(-3.0)
+    with pytest.raises(BadGroupError) as bad:
+        samples_from_group(common_pb2.Group(group_id="d", samples=[misaligned]), 0, **kwargs)
+    assert bad.value.reason == "misaligned"
