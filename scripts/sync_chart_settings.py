@@ -28,8 +28,7 @@ COMPONENT_SETTINGS = {
     "buffer": "miles.buffer.settings:BufferSettings",
     "sandboxGateway": "miles.sandbox.settings:SandboxSettings",
 }
-CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url", "shared_pools"}
-"""Fields the chart sets itself (shared_pools: from the top-level `sharedPools`, which also deploys their engines)."""
+CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url"}
 # Where an in-cluster install needs another default than a local process (field -> value).
 CHART_DEFAULTS: dict[str, dict[str, Any]] = {
     "sandboxGateway": {"backend": "kubernetes"},

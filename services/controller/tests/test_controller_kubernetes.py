@@ -430,6 +430,26 @@ async def test_the_trainer_pod_publishes_to_the_jobs_origin_with_the_spec_transp
         assert api.of_job("jk8s0000013") == []
 
 
+async def test_pools_the_chart_has_no_templates_for_are_refused_before_anything_is_created(
+    job_templates: dict[str, str], controller_kit: Any
+) -> None:
+    """A LoRA job on a shared engine pool, or a job with a judge / teacher pool, runs on the local backend only."""
+    lora = {**controller_kit.job_spec_body()["train"], "lora": {"rank": 4}}
+    on_pool = _spec(controller_kit, train=lora, resources={"engines": {"shared_pool": "shared-lora"}})
+    judged = _spec(controller_kit, inference_pools=[{"name": "judge", "model_path": "/models/judge"}])
+    async with fake_cluster(job_templates) as (api, _, backend):
+        for job_id, spec, field in (
+            ("jk8spool001", on_pool, "resources.engines.shared_pool"),
+            ("jk8spool002", judged, "inference_pools"),
+        ):
+            with pytest.raises(InvalidArgumentError, match="local backend only") as refused:
+                await backend.check_spec(spec)
+            assert refused.value.field == field
+            with pytest.raises(InvalidArgumentError):
+                await backend.start(job_id, spec)
+            assert api.of_job(job_id) == []
+
+
 async def test_an_object_the_api_refuses_is_a_non_retryable_error(
     job_templates: dict[str, str], controller_kit: Any
 ) -> None:

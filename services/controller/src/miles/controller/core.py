@@ -135,7 +135,7 @@ class JobService:
         if pool_name is not None and request.engines is not None:
             raise InvalidArgumentError(
                 f"job {job_id} runs on shared engine pool {pool_name!r} and has no engines of its own: the platform "
-                "sizes the pool (controller setting shared_pools / chart sharedPools)",
+                "sizes the pool (controller setting shared_pools)",
                 field="engines",
             )
         spec_data = record.spec.model_dump(mode="json")

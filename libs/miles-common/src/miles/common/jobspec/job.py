@@ -17,6 +17,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from miles.common.jobspec.evaluation import EvaluationSpec
 from miles.common.jobspec.pools import InferencePoolSpec
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.jobspec.trainer import TrainConfig
@@ -50,7 +51,7 @@ class EnginePoolSpec(_Section):
     shared pool of its base model declared by the platform (each request names the job's adapter)."""
 
     shared_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
-    """Name of a shared engine pool (the controller's `shared_pools`, the chart's `sharedPools`) to run this LoRA
+    """Name of a shared engine pool (the controller's `shared_pools`; local backend) to run this LoRA
     job on instead of starting engines: same base model, `train.lora` rank and target modules within the pool's.
     The job then has no engines or weight-sync of its own, so the other engine fields must stay unset and the
     pool's size is the platform's (PATCH of `engines` answers 400)."""
@@ -171,6 +172,10 @@ class JobSpec(_Section):
     inference_pools: list[InferencePoolSpec] = Field(default_factory=list, max_length=4)
     """Extra inference pools of the job (a judge, a teacher ...): engines of their own model, no weight updates,
     reached by name (`miles.common.jobspec.pools`). At most 4, names unique."""
+
+    evaluation: EvaluationSpec | None = None
+    """Held-out evaluation at every N-th weight version on the job's own engines (`miles.common.jobspec.evaluation`);
+    null: none."""
 
     @field_validator("inference_pools")
     @classmethod

@@ -56,7 +56,8 @@ LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 class SharedPool(BaseModel):
     """A shared engine pool: engines of one base model serving the LoRA adapters of every job placed on it (a job
     names it in `resources.engines.shared_pool`). Its engines are the platform's, not a job's: they start once
-    (local backend: at the first job on the pool; Kubernetes: the chart's `sharedPools` Deployment), join the
+    (the local backend starts them with the first job on the pool; the Kubernetes backend refuses such jobs: the
+    chart has no shared-pool templates yet), join the
     router pool of this name, and outlive the jobs."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
@@ -68,7 +69,7 @@ class SharedPool(BaseModel):
     """The base model every engine serves; a job on the pool must name exactly this `model.path`."""
 
     replicas: int = Field(default=1, ge=1, le=64)
-    """Engines (local backend; on Kubernetes the chart's `sharedPools[].replicas` sizes the Deployment)."""
+    """Engines of the pool."""
 
     max_loaded_loras: int = Field(default=8, ge=1)
     """Adapters resident per engine (`--max-loaded-loras`); each job keeps its newest 2 versions loaded, so a pool

@@ -45,6 +45,7 @@ from miles.common.errors import FailedPreconditionError, InvalidArgumentError, M
 from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.backends.kubernetes_limits import kubernetes_problem
 from miles.controller.env_server_templates import EnvironmentServerParams, env_server_image_of
 from miles.controller.job_templates import (
     JobAddresses,
@@ -232,8 +233,7 @@ class KubernetesJobBackend:
         return self._job_templates[job_id]
 
     async def check_spec(self, spec: JobSpec) -> None:
-        self._check_transport(spec)
-        self._check_environment(spec)
+        self._check_runnable(spec)
         try:
             templates = await self.templates()
         except MilesError:  # the API or the chart's ConfigMap is not there now: start says so, with retries
@@ -245,33 +245,13 @@ class KubernetesJobBackend:
             env_server_image_of(templates, spec.rollout.environment.connector)
 
     @staticmethod
-    def _check_transport(spec: JobSpec) -> None:
-        if spec.weight_sync.transport == "disk":
-            raise InvalidArgumentError(
-                "weight_sync.transport 'disk' needs a volume that the trainer and the engines share, which the chart "
-                "does not mount; use 'stream' (the default) or 'nccl' on Kubernetes",
-                field="weight_sync.transport",
-            )
-
-    @staticmethod
-    def _check_environment(spec: JobSpec) -> None:
-        """The environment server runs in the connector's image (`python` there imports the connector): a local
-        interpreter or PYTHONPATH of the spec cannot apply to it, so a spec naming one is refused, not ignored."""
-        environment = spec.rollout.environment
-        if environment is None:
-            return
-        for field in ("interpreter", "python_path"):
-            if getattr(environment, field, None):
-                raise InvalidArgumentError(
-                    f"rollout.environment.{field} applies to local environment servers only; on Kubernetes the "
-                    "server runs in the connector's image (the chart's jobTemplates.envServer.images), which must "
-                    "import the connector itself",
-                    field=f"rollout.environment.{field}",
-                )
+    def _check_runnable(spec: JobSpec) -> None:
+        problem = kubernetes_problem(spec)
+        if problem is not None:
+            raise InvalidArgumentError(problem[1], field=problem[0])
 
     async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
-        self._check_transport(spec)
-        self._check_environment(spec)
+        self._check_runnable(spec)
         templates = self._job_templates[job_id] = await self.templates()
         problem = _engine_kind_problem(templates, spec)  # the chart may have changed since submission
         if problem:
