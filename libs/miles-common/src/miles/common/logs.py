@@ -65,3 +65,9 @@ def configure_logging(service: str, level: str = "INFO", *, json_lines: bool = T
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    # httpx logs every request it sends at INFO ("HTTP Request: POST ..."): one line per proxied turn in the router
+    # and the session server. Structured logs carry no per-request INFO lines; at DEBUG they are still there.
+    numeric = logging.getLevelName(level.upper())
+    client_level = numeric if isinstance(numeric, int) and numeric <= logging.DEBUG else logging.WARNING
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(client_level)

@@ -64,22 +64,27 @@ class PrefixIndex:
         return load - mean > margin and load > mean * self.config.balance_rel_threshold
 
     def best_match(
-        self, key: bytes, candidates: Sequence[Engine], namespace_units: int = 0
+        self,
+        key: bytes,
+        candidates: Sequence[Engine],
+        namespace_units: int = 0,
+        tie_key: str = "",
+        num_keys: Callable[[str], int] | None = None,
     ) -> tuple[Engine | None, float]:
-        """The candidate holding the longest prefix of `key` (fewest load on ties) and its match rate. The first
-        `namespace_units` of the key name an adapter (radix.encode_namespace): they count in neither the match nor
-        the prompt, so other prompts of the same adapter are no hit."""
+        """The candidate holding the longest prefix of `key` and its match rate. Engines that match equally long
+        (a system prompt every engine has cached) are ordered as base.least_loaded orders them: fewest requests,
+        fewest sticky sessions, fewest tokens, then a hash of (tie_key, url); never by registration order, which
+        sent every such tie to the first engine. The first `namespace_units` of the key name an adapter
+        (radix.encode_namespace): they count in neither the match nor the prompt, so other prompts of the same
+        adapter are no hit."""
         if num_units(key) <= namespace_units:
             return None, 0.0
         matched = self.tree.match(key)
-        best: Engine | None = None
-        best_len = 0
-        for engine in candidates:
-            length = matched.get(engine.url, 0)
-            if length > best_len or (
-                best is not None and length == best_len and engine.slots.load_requests < best.slots.load_requests
-            ):
-                best, best_len = engine, length
+        best_len = max((matched.get(engine.url, 0) for engine in candidates), default=0)
+        if best_len == 0:
+            return None, 0.0
+        tied = [engine for engine in candidates if matched.get(engine.url, 0) == best_len]
+        best = least_loaded(tied, tie_key, num_keys)
         prompt_matched = max(0, best_len - namespace_units)
         return best, prompt_matched / (num_units(key) - namespace_units)
 
@@ -95,7 +100,7 @@ class PrefixIndex:
         least-loaded ties by fewest sticky sessions (see base.least_loaded); `namespace_units` as in best_match."""
         if len(candidates) > 1 and self.is_imbalanced(candidates):
             return least_loaded(candidates, tie_key, num_keys), "imbalanced"
-        best, rate = self.best_match(key, candidates, namespace_units)
+        best, rate = self.best_match(key, candidates, namespace_units, tie_key, num_keys)
         if best is not None and rate > self.config.cache_threshold:
             if len(candidates) > 1 and self.spills(best, candidates):
                 return least_loaded(candidates, tie_key, num_keys), "spill"
