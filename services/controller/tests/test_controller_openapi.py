@@ -65,6 +65,7 @@ def test_openapi_publishes_every_job_route(served_controller: tuple[str, dict[st
         "/v1/jobs",
         "/v1/jobs/{job_id}",
         "/v1/jobs/{job_id}/events",
+        "/v1/jobs/{job_id}/evals",
         "/v1/jobs/{job_id}/cancel",
     }
     assert set(document["paths"]["/v1/jobs/{job_id}"]) == {"get", "patch", "delete"}
@@ -85,7 +86,7 @@ def test_every_answer_is_documented(served_controller: tuple[str, dict[str, Any]
         max_examples=MAX_EXAMPLES_PER_OPERATION,
     )
     report.assert_clean()
-    assert len(report.statuses) == 10
+    assert len(report.statuses) == 11
     assert {201, 422} <= report.statuses["POST /v1/jobs"]  # valid and invalid specs
     assert {200, 401} <= report.statuses["GET /v1/jobs/{job_id}"]  # the live job, and a missing token
     assert report.media_types["GET /v1/jobs/{job_id}/events"] >= {"text/event-stream"}  # the live job's stream

@@ -153,3 +153,24 @@ async def evaluate_model(
         finally:
             await pool.deregister(job_id, engine_url)
             await pool.close()
+
+
+def eval_lines(evals: dict[str, Any], *, last: int = 5) -> list[str]:
+    """`miles status`: the job's `last` evaluated versions (GET /v1/jobs/{id}/evals), one line each: per dataset
+    the mean reward and pass@k, then the episodes discarded for running at another version and the lag."""
+    lines = []
+    for result in evals.get("evals", [])[-last:]:
+        if result["status"] == "missed":
+            lines.append(f"  eval v{result['version']}: missed (the engines had moved past it)")
+            continue
+        parts = []
+        for name, scored in sorted(result["datasets"].items()):
+            passes = " ".join(
+                f"pass@{k} {v:.2f}" for k, v in sorted(scored["pass_at_k"].items(), key=lambda i: int(i[0]))
+            )
+            parts.append(
+                f"{name} reward {scored['mean_reward']:.3f} {passes} ({scored['num_episodes']} eps, "
+                f"{scored['num_discarded']} discarded)"
+            )
+        lines.append(f"  eval v{result['version']}: {'; '.join(parts)}; lag {result['lag_s']:.1f}s")
+    return lines

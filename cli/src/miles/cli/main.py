@@ -2,7 +2,7 @@
 
     miles up                      start the shared services locally (detached; logs under .miles/logs/)
     miles down                    cancel active jobs, stop the shared services
-    miles status                  services and their health, the controller URL, active jobs
+    miles status                  services and their health, the controller URL, active jobs (and their evals)
     miles submit SPEC.yaml        submit a job (YAML or JSON) and follow it live (--no-follow: just submit)
     miles jobs                    list jobs
     miles logs SERVICE [-f]       a shared service's log, or a job's process log (`miles logs JOB_ID [PROCESS]`)
@@ -163,6 +163,12 @@ def status(home: HomeOption = DEFAULT_HOME, url: UrlOption = None) -> None:
     console.print(_jobs_table(active, title="active jobs") if active else "no active jobs")
     for job in active:
         console.print(health_line(job))
+        if (job.get("spec") or {}).get("evaluation"):
+            from miles.cli.evaluation import eval_lines
+
+            with controller_client(home, url) as client:
+                for line in eval_lines(_check(client.get(f"/v1/jobs/{job['job_id']}/evals"))):
+                    console.print(line, soft_wrap=True)
 
 
 @app.command()

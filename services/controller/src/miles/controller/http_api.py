@@ -27,6 +27,7 @@ from miles.common.telemetry import Metrics
 from miles.controller.api_models import JobList, JobView, ResizeRequest
 from miles.controller.core import JobService
 from miles.controller.errors import MissingTokenError, WrongTokenError
+from miles.controller.evals import EvalList, VersionEvalView, read_evals
 from miles.controller.jobs import JobState
 
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -179,6 +180,22 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
     )
     async def get_job(job_id: JobId) -> JobView:
         return JobView.of(await service.get(job_id))
+
+    @router.get(
+        "/v1/jobs/{job_id}/evals",
+        response_model=EvalList,
+        responses=NOT_FOUND,
+        summary="Evaluation scores per weight version (spec `evaluation`), oldest first",
+    )
+    async def get_evals(job_id: JobId) -> EvalList:
+        record = await service.get(job_id)
+        evaluation = record.spec.evaluation
+        results = await read_evals(service.store.redis, job_id)
+        return EvalList(
+            job_id=job_id,
+            every_n_versions=None if evaluation is None else evaluation.every_n_versions,
+            evals=[VersionEvalView.of(result) for result in results],
+        )
 
     @router.post(
         "/v1/jobs/{job_id}/cancel",

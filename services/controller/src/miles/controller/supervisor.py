@@ -27,6 +27,7 @@ from miles.common.aio import wait_event
 from miles.common.errors import MilesError
 from miles.controller.backends.base import JobBackend, JobProgress
 from miles.controller.errors import IllegalTransitionError, JobNotFoundError
+from miles.controller.evals import EvalAnnouncer
 from miles.controller.health import MAX_REWARDS_KEPT, policy_reward
 from miles.controller.jobs import MAX_ERRORS_KEPT, JobRecord, JobState
 from miles.controller.metrics import ControllerMetrics
@@ -244,7 +245,17 @@ class Supervisor:
                 "metrics": metrics,
             }
         await self.store.update(record.job_id, fields, event)
+        if record.spec.evaluation is not None:
+            await self._announce_evals(record, loop)
         await self._watch_for_stall(record, progress, loop)
+
+    async def _announce_evals(self, record: JobRecord, loop: _JobLoopState) -> None:
+        """An `eval` event per newly stored evaluation version; a Redis hiccup is retried at the next observe."""
+        try:
+            for eval_event in await loop.evals.new_events(self.store.redis, record.job_id):
+                await self.store.update(record.job_id, {}, eval_event)
+        except Exception as exc:
+            log.warning("reading evaluation results failed", extra={"job_id": record.job_id, "error": str(exc)})
 
     async def _watch_for_stall(self, record: JobRecord, progress: JobProgress, loop: _JobLoopState) -> None:
         """Say so (errors, an event) when a running job trains nothing for a while; say when it resumes."""
@@ -317,6 +328,8 @@ class _JobLoopState:
         """When the step last changed (monotonic; 0: not yet observed running)."""
         self.step_interval_s = 0.0
         self.stalled = False
+        self.evals = EvalAnnouncer()
+        """Evaluation versions already announced as `eval` events."""
 
 
 def _json(value: Any) -> str:

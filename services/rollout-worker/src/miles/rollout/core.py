@@ -21,6 +21,7 @@ from miles.rollout.cursor import DatasetCursor
 from miles.rollout.dataset import Dataset
 from miles.rollout.episode import EpisodeRunner
 from miles.rollout.episode_source import EpisodeSource, open_episode_source
+from miles.rollout.eval_loop import EvalLoop, build_eval_loop
 from miles.rollout.ledger import SessionLedger
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.pusher import GroupPusher
@@ -51,8 +52,10 @@ class RolloutWorker:
         scheduler: RolloutScheduler,
         sweeper: OrphanSweeper,
         source: EpisodeSource,
+        evaluation: EvalLoop | None = None,
     ) -> None:
         self.settings = settings
+        self.evaluation = evaluation
         self.source = source
         self.spec = spec
         self.dataset = dataset
@@ -68,6 +71,7 @@ class RolloutWorker:
         self._task: asyncio.Task[None] | None = None
         self._sweeper_task: asyncio.Task[None] | None = None
         self._environment_task: asyncio.Task[None] | None = None
+        self._eval_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def build(cls, settings: RolloutSettings, metrics: RolloutMetrics) -> RolloutWorker:
@@ -133,13 +137,16 @@ class RolloutWorker:
         async def requeued() -> list[tuple[int, int]]:
             return [(int(p.epoch), int(p.prompt_index)) for p in await buffer.pull_requeued(job_id)]
 
+        evaluation = None
+        if settings.evaluation is not None and settings.evaluation_enabled:
+            evaluation = build_eval_loop(settings, settings.evaluation, spec, source, redis_client, metrics)
         scheduler = RolloutScheduler(
             spec=spec,
             job_id=job_id,
             worker_id=settings.worker_id,
             dataset=dataset,
             cursor=cursor,
-            run_episode=runner.run,
+            run_episode=runner.run if evaluation is None else evaluation.watch.wrap(runner.run),
             pusher=pusher,
             metrics=metrics,
             lease_s=settings.lease_s,
@@ -160,6 +167,7 @@ class RolloutWorker:
             scheduler=scheduler,
             sweeper=sweeper,
             source=source,
+            evaluation=evaluation,
         )
 
     async def start(self) -> None:
@@ -168,6 +176,8 @@ class RolloutWorker:
         self._task = asyncio.create_task(self.scheduler.run())
         self._task.add_done_callback(self._on_scheduler_done)
         self._sweeper_task = asyncio.create_task(self.sweeper.run())
+        if self.evaluation is not None:
+            self._eval_task = asyncio.create_task(self.evaluation.run())
         if self.source.environment is not None:
             self._environment_task = asyncio.create_task(self._fail_with(self.source.environment.failed))
         log.info(
@@ -191,11 +201,14 @@ class RolloutWorker:
 
     async def stop(self) -> None:
         """Cancels the scheduler (in-flight episodes delete their sessions, leases are handed back), closes."""
-        tasks = [task for task in (self._task, self._sweeper_task, self._environment_task) if task is not None]
+        running = (self._task, self._sweeper_task, self._environment_task, self._eval_task)
+        tasks = [task for task in running if task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.runner.drain()
+        if self.evaluation is not None:
+            await self.evaluation.close()
         if self.runner.teacher is not None:
             await self.runner.teacher.close()
         await self.source.close()

@@ -78,3 +78,20 @@ class RolloutMetrics:
             ["cause"],
         )
         self.environment_up = metrics.gauge("environment_up", "1 while the job's environment server answers /healthz")
+        self.eval = EvalMetrics(metrics)
+        """Evaluation per weight version (`miles.rollout.eval_loop`); exported idle too, for the dashboards."""
+
+
+class EvalMetrics:
+    """`miles_rollout_eval_*`: labels are the job's dataset names (at most 8) and bounded enums."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.reward = metrics.gauge("eval_reward", "Mean reward of the last evaluated version, by dataset", ["dataset"])
+        self.version = metrics.gauge("eval_version", "Weight version of the last evaluation written")
+        self.lag_s = metrics.gauge("eval_lag_seconds", "Seconds from first sighting of a version to its score")
+        self.episodes = metrics.counter(
+            "eval_episodes",
+            "Evaluation episodes by outcome (scored, discarded: served at another version)",
+            ["outcome"],
+        )
+        self.versions = metrics.counter("eval_versions", "Versions written by status (scored, missed)", ["status"])

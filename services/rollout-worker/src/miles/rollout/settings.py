@@ -14,6 +14,7 @@ from typing import Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from miles.common.jobspec.evaluation import EvaluationSpec
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.settings import ServiceSettings, service_config
 
@@ -39,6 +40,13 @@ class RolloutSettings(ServiceSettings):
 
     rollout: RolloutSpec | None = None
     """The job's rollout section (required when job_id is set)."""
+
+    evaluation: EvaluationSpec | None = None
+    """The job's evaluation section (`miles.common.jobspec.evaluation`), from the same config file."""
+
+    evaluation_enabled: bool = True
+    """This worker takes part in evaluating the job's weight versions when the job has an `evaluation` section
+    (`miles.rollout.eval_loop`: each version goes to the one worker that claims it in Redis)."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis holding the job's dataset cursor and prompt leases (AOF on in production)."""

@@ -44,7 +44,7 @@ from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit
 from miles.session.store import SessionStore
 from miles.session.tree import TreeTurnPlan
 from miles.session.tree_turns import TreeLimits, prepare_tree_turn, tree_commit, tree_fields
-from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError
+from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError, pinned_weight_version
 
 tracer = trace.get_tracer("miles.session")
 
@@ -166,6 +166,7 @@ class TurnRunner:
                 pool=meta.model.engine_pool,
                 routed_experts_start_len=routing_start,
                 lora_path=lora_path,
+                min_weight_version=pinned_weight_version(meta.metadata),
             )
 
         adapter = await self._adapters.wait_live(meta.job_id) if meta.model.lora_adapter else None

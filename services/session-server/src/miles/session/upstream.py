@@ -4,8 +4,9 @@ Request: `input_ids`, `sampling_params`, `return_logprob: true`, `stream` when t
 `X-SMG-Routing-Key: <session_id>` (KV-cache affinity) and `X-Miles-Pool: <engine pool>`; for a session that records
 routing also `return_routed_experts: true` and `routed_experts_start_len` (sglang-protocol.md §1.6: the answer's
 `meta_info.routed_experts`, on the final chunk when streaming, is kept raw in the Completion); for a LoRA job's turn
-`lora_path` (the job's live adapter, adapters.py). The body is built field by field here: nothing of the agent's
-request passes through except the sampling parameters openai_format picks. Response
+`lora_path` (the job's live adapter, adapters.py); for a session whose metadata has `min_weight_version` (an
+evaluation episode pinned to a version) the `X-Miles-Min-Weight-Version` header. The body is built field by field
+here: nothing of the agent's request passes through except the sampling parameters openai_format picks. Response
 (docs/sglang-protocol.md §1.3-1.4): the sampled ids come from `meta_info.output_token_logprobs`, 3-element
 entries `[logprob, token_id, text|null]`; `finish_reason` is an object `{type: stop|length|abort, matched?}`.
 Streaming tolerates both cumulative and delta chunks (the rule: `completion_tokens` is always cumulative).
@@ -25,7 +26,12 @@ from typing import Any
 
 import httpx
 
-from miles.common.contracts.headers import POOL_HEADER, ROUTING_KEY_HEADER
+from miles.common.contracts.headers import (
+    MIN_WEIGHT_VERSION_HEADER,
+    POOL_HEADER,
+    ROUTING_KEY_HEADER,
+    SESSION_MIN_WEIGHT_VERSION_KEY,
+)
 from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.session.errors import (
     UpstreamConflictError,
@@ -78,6 +84,14 @@ class Completion:
             upstream_latency_s=self.latency_s,
             routing_start_row=routing_start_row,
         )
+
+
+def pinned_weight_version(metadata: Mapping[str, Any]) -> int | None:
+    """The `min_weight_version` a session's metadata pins its turns to (an int >= 0; anything else: none)."""
+    value = metadata.get(SESSION_MIN_WEIGHT_VERSION_KEY)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 class UpstreamAbortedError(UpstreamUnavailableError):
@@ -212,9 +226,11 @@ class EngineClient:
         pool: str,
         routed_experts_start_len: int | None = None,
         lora_path: str | None = None,
+        min_weight_version: int | None = None,
     ) -> Completion:
         """One generation; with `routed_experts_start_len`, also the routed experts of positions from there on;
-        with `lora_path`, served with that loaded adapter."""
+        with `lora_path`, served with that loaded adapter; with `min_weight_version`, only by an engine at that
+        version or newer (the router's 409 otherwise)."""
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params,
@@ -228,6 +244,8 @@ class EngineClient:
         if lora_path is not None:
             body["lora_path"] = lora_path
         headers = {ROUTING_KEY_HEADER: routing_key, POOL_HEADER: pool}
+        if min_weight_version is not None:
+            headers[MIN_WEIGHT_VERSION_HEADER] = str(min_weight_version)
         started_s = time.perf_counter()
         try:
             async with self._client.stream("POST", "/generate", json=body, headers=headers) as response:

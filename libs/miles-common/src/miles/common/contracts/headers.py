@@ -14,3 +14,7 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 MIN_WEIGHT_VERSION_HEADER = "X-Miles-Min-Weight-Version"
 """Oldest weight version a request accepts, an integer (read by the router to pick an engine and by the engine,
 which answers 409 while it serves an older version)."""
+
+SESSION_MIN_WEIGHT_VERSION_KEY = "min_weight_version"
+"""Session metadata key (an integer >= 0) the session server sends as `MIN_WEIGHT_VERSION_HEADER` on every turn of
+that session: how a rollout worker pins an evaluation episode to a weight version (`miles.rollout.eval_loop`)."""

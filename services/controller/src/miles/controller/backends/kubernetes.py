@@ -93,13 +93,13 @@ def spec_files(spec: JobSpec) -> dict[str, dict[str, Any]]:
     # The chart sets the addresses by env (origin, router, pool, update-group port); the spec decides the rest.
     publish = {"kind": sync.transport, "dtype": sync.dtype, "pause_mode": sync.pause_mode}
     return {
-        "spec.json": spec.model_dump(mode="json"),
+        "spec.json": (spec_json := spec.model_dump(mode="json")),
         "trainer.json": {
             "train": spec.train.model_dump(mode="json"),
             "backend": spec.resources.trainer.backend,
             "publish": publish,
         },
-        "rollout.json": {"rollout": spec.rollout.model_dump(mode="json")},
+        "rollout.json": {"rollout": spec.rollout.model_dump(mode="json"), "evaluation": spec_json["evaluation"]},
         "weightsync.json": {"pause_mode": sync.pause_mode},
     }
 

@@ -185,7 +185,10 @@ def teacher_router_pool(job_id: str, spec: JobSpec) -> str:
 def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServices, index: int) -> ProcessRecord:
     port = free_port()
     name = f"worker-{index}"
-    config_path = _write_json(job_dir / f"{name}.json", {"rollout": spec.rollout.model_dump(mode="json")})
+    config = {"rollout": spec.rollout.model_dump(mode="json")}
+    if spec.evaluation is not None:
+        config["evaluation"] = spec.evaluation.model_dump(mode="json")
+    config_path = _write_json(job_dir / f"{name}.json", config)
     settings: dict[str, SettingValue] = {
         "port": port,
         "job_id": job_id,

@@ -1,0 +1,73 @@
+"""Evaluation results per version through the controller: what the evaluating rollout worker stores in Redis
+(`miles.common.contracts.evals`) is served by `GET /v1/jobs/{id}/evals` (404 for an unknown job), announced once
+as an `eval` event on the job's stream, and printed by `miles status` (`eval_lines`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from miles.cli.evaluation import eval_lines
+from miles.common.contracts import evals as contract
+
+EVALUATION = {
+    "datasets": [{"name": "held", "dataset": {"path": "examples/calculator_tool/data.jsonl"}, "limit": 4}],
+    "every_n_versions": 5,
+    "n_samples_per_prompt": 2,
+    "pass_at_k": [1, 2],
+}
+
+
+def stored(version: int, reward: float) -> contract.VersionEval:
+    held = contract.DatasetEval(reward, {"1": reward, "2": 1.0}, 4, 8, 1, {"ok": 8})
+    return contract.VersionEval(version, "scored", 2_000, 1_000, 1.0, {"held": held})
+
+
+async def test_scores_per_version_are_served_announced_and_shown(redis_url: str, controller_kit: Any) -> None:
+    kit = controller_kit
+    backend = kit.FakeBackend()
+    backend.auto_step = False
+    redis = aioredis.Redis.from_url(redis_url)
+    async with kit.running(kit.make_settings(redis_url), backend) as client:
+        job = (await client.post("/v1/jobs", json=kit.job_spec_body(num_steps=50, evaluation=EVALUATION))).json()
+        job_id = job["job_id"]
+        await kit.wait_for_state(client, job_id, "RUNNING")
+        empty = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
+        assert empty == {"job_id": job_id, "every_n_versions": 5, "evals": []}
+        for version, reward in ((5, 0.5), (0, 0.25)):
+            await redis.hset(contract.evals_key(job_id), str(version), stored(version, reward).to_json())
+        await redis.hset(contract.evals_key(job_id), "7", "not json")  # skipped, never a 500
+        body = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
+        assert [e["version"] for e in body["evals"]] == [0, 5]
+        assert body["evals"][1]["datasets"]["held"] == {
+            "mean_reward": 0.5,
+            "pass_at_k": {"1": 0.5, "2": 1.0},
+            "num_prompts": 4,
+            "num_episodes": 8,
+            "num_discarded": 1,
+            "reasons": {"ok": 8},
+        }
+        assert (await client.get("/v1/jobs/jnothere0000/evals")).status_code == 404
+
+        async def eval_events() -> list[dict[str, Any]]:
+            events: list[dict[str, Any]] = []
+            kind = ""
+            await client.post(f"/v1/jobs/{job_id}/cancel")  # the stream ends with the job
+            async with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("event: "):
+                        kind = line[7:]
+                    elif line.startswith("data: ") and kind == "eval":
+                        events.append(json.loads(line[6:]))
+            return events
+
+        await asyncio.sleep(0.5)  # a few observe intervals (0.05 s): the supervisor announces what is stored
+        announced = await asyncio.wait_for(eval_events(), timeout=60)
+    await redis.aclose()
+    assert sorted(e["version"] for e in announced) == [0, 5]  # once each
+    assert announced[0]["datasets"]["held"]["num_episodes"] == 8
+    lines = eval_lines(body)
+    assert lines[1] == "  eval v5: held reward 0.500 pass@1 0.50 pass@2 1.00 (8 eps, 1 discarded); lag 1.0s"
