@@ -274,6 +274,11 @@ def test_no_routable_engine_is_503_with_a_clear_message(cluster: Cluster) -> Non
         assert {engine.url: engine_requests(engine.url) for engine in [*cluster.pool_a, cluster.pool_b]} == before
     finally:
         cluster.client.post("/admin/v1/engines/deregister", json={"pool": "job-dead", "url": dead_url})
+    # The pool went with its last engine (a job's pool ends with the job): no empty pool is left behind.
+    gone = cluster.generate(turn([1, 2, 3]), pool="job-dead")
+    assert "no engine pool named 'job-dead'" in gone.json()["error"]["message"], gone.text
+    pools = {entry["pool"] for entry in cluster.client.get("/admin/v1/engines").json()["engines"]}
+    assert "job-dead" not in pools and POOL_A in pools
 
 
 def test_an_engine_registered_at_run_time_takes_new_sessions(cluster: Cluster) -> None:

@@ -1,7 +1,8 @@
 """The admin operations behind RouterAdminService (gRPC) and its HTTP mirror under /admin/v1/.
 
 Register (idempotent by pool + url; probes the engine once so its state — paused included —, capacity and version
-are known when the call returns), deregister, drain (optionally waiting until nothing is in flight or queued, at
+are known when the call returns), deregister (a pool whose last engine goes is forgotten, unless the settings name
+it: a job's pool ends with the job), drain (optionally waiting until nothing is in flight or queued, at
 most the given timeout or `drain_timeout_s` — weight-sync drains an engine, updates it, then undrains it),
 undrain (re-reads the weight version first, so requests demanding the new version reach the engine at once, and
 re-checks an engine found paused), list, stats. Both transports call these and only translate types.
@@ -68,6 +69,8 @@ class RouterAdmin:
             self.monitor.prober.forget(engine.url)
             self.clients.retire(engine)
         log.info("engine deregistered", extra={"pool": pool.name, "engine": engine.url})
+        if self.registry.remove_if_empty(pool.name):
+            log.info("empty pool removed", extra={"pool": pool.name})
         return removed
 
     async def drain_engine(self, pool_name: str, url: str, wait: bool, timeout_s: float) -> DrainResult:

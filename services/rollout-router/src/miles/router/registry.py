@@ -41,6 +41,17 @@ class PoolRegistry:
             self.pools[name] = pool
         return pool
 
+    def remove_if_empty(self, name: str) -> bool:
+        """Forget a pool that has no engine left (a job's pool when its job ends), unless the settings name it (the
+        default pool, a pool with its own policy or static engines): its routing state goes with it, and a later
+        request naming it gets the unknown-pool answer. Whether it was removed."""
+        pool = self.pools.get(name)
+        configured = {self.settings.default_pool, *self.settings.pool_policies, *self.settings.static_engines}
+        if pool is None or pool.engines or name in configured:
+            return False
+        del self.pools[name]
+        return True
+
     def for_request(self, name: str) -> EnginePool:
         """The pool a data-plane request names; 503 when the router knows no such pool."""
         pool = self.pools.get(name)
