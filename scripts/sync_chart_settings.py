@@ -3,7 +3,8 @@
 CONTRIBUTING.md (how we write code): one typed settings class per service, its fields mirrored in the chart with
 the same names. This script rewrites the block between the `# BEGIN generated` and `# END generated` markers of
 each component's `settings:` with every field (default value and docstring), except those the chart sets itself
-(host, ports, Redis URL, secrets). `--check` exits 1 when values.yaml is out of date; a chart test runs it.
+(host, ports, Redis URL, secrets, the controller's shared_pools). `--check` exits 1 when values.yaml is out of
+date; a chart test runs it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ COMPONENT_SETTINGS = {
     "buffer": "miles.buffer.settings:BufferSettings",
     "sandboxGateway": "miles.sandbox.settings:SandboxSettings",
 }
-CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url"}
+# shared_pools: the controller's pools come from the chart's top-level sharedPools (MILES_CONTROLLER_SHARED_POOLS).
+CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url", "shared_pools"}
 # Where an in-cluster install needs another default than a local process (field -> value).
 CHART_DEFAULTS: dict[str, dict[str, Any]] = {
     "sandboxGateway": {"backend": "kubernetes"},

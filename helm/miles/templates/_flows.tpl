@@ -55,6 +55,16 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 # ...and runs a task's commands in the job's sandboxes (Harbor: gRPC, or the HTTP facade on the metrics port).
 - {from: env-server, to: sandbox-gateway, port: grpc}
 - {from: env-server, to: sandbox-gateway, port: metrics}
+{{- if .Values.sharedPools }}
+# Shared LoRA engine pools (sharedPools): the router serves every job on the pool from its engines...
+- {from: rollout-router, to: shared-engine, port: http}
+# ...and the trainer of any job placed on it loads each adapter version into them (/load_lora_adapter, under the
+# engine admin key), finding them through the router's admin API, then makes the version live at the session
+# server (PUT /v1/jobs/{id}/adapter, under the session operator token). Not per job: the pool is the platform's.
+- {from: trainer, to: shared-engine, port: http}
+- {from: trainer, to: rollout-router, port: http}
+- {from: trainer, to: session-server, port: http}
+{{- end }}
 {{- end -}}
 
 {{/* Pod components of per-job objects (their ingress is enforced per job by the per-job NetworkPolicy). */}}
@@ -76,9 +86,10 @@ engine
 {{- end -}}
 {{- end -}}
 
-{{/* Every pod component of the platform (shared and per job), as a YAML list. */}}
+{{/* Every pod component of the platform (shared, per job, and the shared pools' engines), as a YAML list. */}}
 {{- define "miles.podComponents" -}}
 {{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" "env-server" -}}
+{{- if .Values.sharedPools }}{{ $all = append $all "shared-engine" }}{{ end -}}
 {{- $pods := list -}}
 {{- range $all }}{{ $pods = append $pods (include "miles.podComponent" (dict "root" $ "component" .)) }}{{ end -}}
 {{- toYaml ($pods | uniq) -}}
@@ -87,6 +98,8 @@ engine
 {{/* Named ports Prometheus scrapes on a pod component (none on Redis and on environment servers). */}}
 {{- define "miles.metricsPorts" -}}
 {{- if has .component (list "controller" "session-server" "rollout-router" "rollout-worker") -}}
+[http]
+{{- else if eq .component "shared-engine" -}}
 [http]
 {{- else if eq .component "engine" -}}
 {{- if eq .root.Values.jobTemplates.weightSync.mode "sidecar" }}[http, metrics]{{ else }}[http]{{ end -}}

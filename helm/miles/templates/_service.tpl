@@ -124,6 +124,14 @@ spec:
                   key: {{ .secretKey }}
             {{- end }}
             {{- include "miles.settingsEnv" (dict "prefix" $c.envPrefix "settings" $c.settings) | nindent 12 }}
+            {{- if and (eq .key "controller") (hasKey $c.settings "shared_pools") }}
+            {{- fail "controller.settings.shared_pools is set by the chart from sharedPools: declare the pools there" }}
+            {{- end }}
+            {{- if and (eq .key "controller") $root.Values.sharedPools }}
+            # The shared engine pools of this release (sharedPools), which LoRA jobs may run on.
+            - name: MILES_CONTROLLER_SHARED_POOLS
+              value: {{ include "miles.sharedPools.controllerJson" $root | quote }}
+            {{- end }}
             {{- if $root.Values.tracing.otlpEndpoint }}
             - name: OTEL_EXPORTER_OTLP_ENDPOINT
               value: {{ $root.Values.tracing.otlpEndpoint | quote }}

@@ -1,13 +1,16 @@
 """Shared helpers of the controller's API tests: a fake backend (the only fake: it stands in for per-job
-processes / Kubernetes objects) and a real controller app served over a real socket against the real Redis."""
+processes / Kubernetes objects) and a real controller app served over a real socket against the real Redis. The
+Kubernetes backend's fake API server is controller_kubernetes_testkit.py (this folder is put on sys.path)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +23,8 @@ from miles.common.testing.ports import free_port
 from miles.controller.backends.base import JobProgress
 from miles.controller.main import build_service
 from miles.controller.settings import ControllerSettings
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 API_TOKEN = "test-token-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {API_TOKEN}"}

@@ -6,56 +6,75 @@ Per-job engine flags are not placeholders: the controller appends them to the ar
 records MoE routing; a flag extraArgs already name is not added again. Keep the container's name and its args list.
 */}}
 {{- define "miles.job.engineContainer" -}}
-{{- $e := .Values.jobTemplates.engine -}}
-{{- $daemonset := eq .Values.jobTemplates.weightSync.mode "daemonset" -}}
+{{- $mounts := include "miles.job.engineMounts" . -}}
+{{- include "miles.engineContainer" (dict "root" . "modelPath" "${MODEL_PATH}" "tpSize" "${TP_SIZE}" "gpus" "${ENGINE_GPUS}" "args" (list) "mounts" $mounts) -}}
+{{- end -}}
+
+{{- define "miles.job.engineMounts" -}}
+{{- include "miles.job.commonMounts" . }}
+- {name: shm, mountPath: /dev/shm}
+{{- if ne .Values.jobTemplates.weightSync.mode "daemonset" }}
+# The disk transport writes checkpoints here; the engine loads them from the same path.
+- {name: weights, mountPath: /var/lib/miles/weights, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/*
+The engine container of a job's engine pool and of a shared pool (shared-pools/_pools.tpl): .root, .modelPath,
+.tpSize and .gpus (placeholders for a job, values for a shared pool), .args (appended after the chart's
+jobTemplates.engine.<kind>.extraArgs) and .mounts (the volumeMounts list, as YAML).
+*/}}
+{{- define "miles.engineContainer" -}}
+{{- $root := .root -}}
+{{- $e := $root.Values.jobTemplates.engine -}}
 - name: engine
 {{- if eq $e.kind "sglang" }}
   image: {{ printf "%s:%s" $e.sglang.image.repository $e.sglang.image.tag }}
-  imagePullPolicy: {{ .Values.global.imagePullPolicy }}
+  imagePullPolicy: {{ $root.Values.global.imagePullPolicy }}
   command: ["python3", "-m", "sglang.launch_server"]
   args:
     - --model-path
-    - "${MODEL_PATH}"
+    - {{ .modelPath | quote }}
     - --host
     - "0.0.0.0"
     - --port
     - {{ $e.port | quote }}
     - --tp-size
-    - "${TP_SIZE}"
+    - {{ .tpSize | quote }}
     - --mem-fraction-static
     - {{ $e.sglang.memFractionStatic | quote }}
     - --enable-metrics
     # Control routes (pause, weight updates, cache flush ...) need the release's engine admin key.
     - --admin-api-key
     - $(MILES_ENGINE_ADMIN_API_KEY)
-    {{- if .Values.auth.protectEngineGeneration }}
+    {{- if $root.Values.auth.protectEngineGeneration }}
     - --api-key
     - $(MILES_ENGINE_API_KEY)
     {{- end }}
-    {{- range $e.sglang.extraArgs }}
+    {{- range (concat $e.sglang.extraArgs .args) }}
     - {{ . | quote }}
     {{- end }}
   env:
     - name: HOME
       value: /tmp
-    {{- include "miles.job.secretEnv" (dict "root" . "entries" (list (list "MILES_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
+    {{- include "miles.job.secretEnv" (dict "root" $root "entries" (list (list "MILES_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
     {{- with $e.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   resources:
     requests:
       {{- toYaml $e.sglang.resources.requests | nindent 6 }}
-      nvidia.com/gpu: "${ENGINE_GPUS}"
+      nvidia.com/gpu: {{ .gpus | quote }}
     limits:
       {{- toYaml $e.sglang.resources.limits | nindent 6 }}
-      nvidia.com/gpu: "${ENGINE_GPUS}"
+      nvidia.com/gpu: {{ .gpus | quote }}
 {{- else }}
-  image: {{ include "miles.image" (dict "root" . "image" $e.cpu.image) }}
-  imagePullPolicy: {{ .Values.global.imagePullPolicy }}
+  image: {{ include "miles.image" (dict "root" $root "image" $e.cpu.image) }}
+  imagePullPolicy: {{ $root.Values.global.imagePullPolicy }}
   args:
     - --model-path
-    - "${MODEL_PATH}"
-    {{- range $e.cpu.extraArgs }}
+    - {{ .modelPath | quote }}
+    {{- range (concat $e.cpu.extraArgs .args) }}
     - {{ . | quote }}
     {{- end }}
   env:
@@ -63,10 +82,10 @@ records MoE routing; a flag extraArgs already name is not added again. Keep the 
       value: "0.0.0.0"
     - name: MILES_ENGINE_PORT
       value: {{ $e.port | quote }}
-    {{- include "miles.job.secretEnv" (dict "root" . "entries" (list (list "MILES_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
-    {{- if .Values.tracing.otlpEndpoint }}
+    {{- include "miles.job.secretEnv" (dict "root" $root "entries" (list (list "MILES_ENGINE_ADMIN_API_KEY" "engine-admin-api-key") (list "MILES_ENGINE_API_KEY" "engine-api-key"))) | nindent 4 }}
+    {{- if $root.Values.tracing.otlpEndpoint }}
     - name: OTEL_EXPORTER_OTLP_ENDPOINT
-      value: {{ .Values.tracing.otlpEndpoint | quote }}
+      value: {{ $root.Values.tracing.otlpEndpoint | quote }}
     {{- end }}
     {{- with $e.extraEnv }}
     {{- toYaml . | nindent 4 }}
@@ -79,7 +98,7 @@ records MoE routing; a flag extraArgs already name is not added again. Keep the 
       containerPort: {{ $e.port }}
       protocol: TCP
   securityContext:
-    {{- include "miles.containerSecurityContext" . | nindent 4 }}
+    {{- include "miles.containerSecurityContext" $root | nindent 4 }}
   startupProbe:
     httpGet: {path: /health, port: http}
     periodSeconds: 10
@@ -94,12 +113,7 @@ records MoE routing; a flag extraArgs already name is not added again. Keep the 
     periodSeconds: 5
     timeoutSeconds: 3
   volumeMounts:
-    {{- include "miles.job.commonMounts" . | nindent 4 }}
-    - {name: shm, mountPath: /dev/shm}
-    {{- if not $daemonset }}
-    # The disk transport writes checkpoints here; the engine loads them from the same path.
-    - {name: weights, mountPath: /var/lib/miles/weights, readOnly: true}
-    {{- end }}
+    {{- .mounts | nindent 4 }}
 {{- end -}}
 
 {{- define "miles.job.engineDeployment" -}}

@@ -30,6 +30,11 @@ clients: the backend creates what it returns, in this order:
 `JobTemplateParams.environment` (`rollout.environment`) and skipped for any other; their placeholders, the image
 choice and the rollout workers' `MILES_ROLLOUT_ENVIRONMENT_URL` are `miles.controller.env_server_templates`'.
 
+**Shared engine pools**: for a job on one (`resources.engines.shared_pool`),
+`miles.controller.backends.kubernetes_shared_pool` drops the engine and weight-sync objects from what this module
+instantiates and gives the trainer the pool's adapter volume, read from the key SHARED_POOLS_KEY (data the chart
+renders only when it declares pools, never instantiated).
+
 **The spec ConfigMap** `<fullname>-<job>-spec` is mounted read-only at `/etc/miles/job` in every per-job pod. Keys
 (all required, `{}` when a process needs nothing from the spec):
 
@@ -82,6 +87,10 @@ from miles.controller.env_server_templates import (
 
 SPEC_TEMPLATE_KEY = "spec-configmap.yaml"
 """Key of the spec ConfigMap's skeleton in the templates ConfigMap (not instantiated with the other objects)."""
+
+SHARED_POOLS_KEY = "shared-pools.json"
+"""Key of the chart's shared engine pools (their adapter volumes), read for jobs on a shared pool
+(`miles.controller.backends.kubernetes_shared_pool`), never instantiated; only present when the chart declares pools."""
 
 SPEC_FILES = ("spec.json", "trainer.json", "rollout.json", "weightsync.json")
 """Keys of the job's spec ConfigMap, mounted at SPEC_MOUNT_PATH."""
@@ -246,8 +255,9 @@ def _check_name(obj: Mapping[str, Any]) -> None:
 
 
 def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateParams) -> list[dict[str, Any]]:
-    """Every object of every template except the spec ConfigMap (keys sorted), placeholders filled; the
-    environment server's (`env-server-*`) only for a job with an environment, whose workers are then wired to it.
+    """Every object of every template except the spec ConfigMap and SHARED_POOLS_KEY (data, not a template), keys
+    sorted, placeholders filled; the environment server's (`env-server-*`) only for a job with an environment,
+    whose workers are then wired to it.
 
     Raises InvalidArgumentError when a template uses a placeholder this version does not know (so that a chart
     newer than the controller fails loudly instead of creating objects with `${...}` in them), when a value is
@@ -264,7 +274,7 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
     objects: list[dict[str, Any]] = []
     for name in sorted(templates):
         skipped = params.environment is None and name.startswith(ENV_SERVER_TEMPLATE_PREFIX)
-        if name != SPEC_TEMPLATE_KEY and not skipped:
+        if name not in (SPEC_TEMPLATE_KEY, SHARED_POOLS_KEY) and not skipped:
             objects += _fill(name, templates[name], values)
     for obj in objects:
         _check_name(obj)

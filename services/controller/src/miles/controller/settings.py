@@ -99,8 +99,8 @@ class ControllerSettings(ServiceSettings):
     shared_pools: list[SharedPool] = Field(default_factory=list)
     """Shared engine pools LoRA jobs may run on (`resources.engines.shared_pool`), a JSON list of objects with
     `name`, `model_path`, `replicas`, `max_loaded_loras`, `max_lora_rank`, `lora_target_modules`, `extra_args`.
-    Local backend: it starts a pool's engines with the first job on it. The Kubernetes backend refuses jobs on a
-    shared pool (the chart has no shared-pool templates yet)."""
+    Local backend: it starts a pool's engines with the first job on it. Kubernetes: the chart sets it from
+    `sharedPools`, which also deploys each pool's engines."""
 
     observe_interval_s: float = Field(default=2.0, gt=0)
     """How often the supervisor observes each active job (and looks for new ones), seconds."""

@@ -56,8 +56,8 @@ LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 class SharedPool(BaseModel):
     """A shared engine pool: engines of one base model serving the LoRA adapters of every job placed on it (a job
     names it in `resources.engines.shared_pool`). Its engines are the platform's, not a job's: they start once
-    (the local backend starts them with the first job on the pool; the Kubernetes backend refuses such jobs: the
-    chart has no shared-pool templates yet), join the
+    (the local backend starts them with the first job on the pool; on Kubernetes the chart's `sharedPools` deploys
+    them, with an adapter volume every trainer mounts), join the
     router pool of this name, and outlive the jobs."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)

@@ -20,6 +20,10 @@ rollout workers its URL (`miles.controller.env_server_templates`); `check_spec` 
 no image for, and the spec's local-only `interpreter` / `python_path`. The environment server is not a pool:
 `observe` does not wait for it (the workers do).
 
+A LoRA job on a shared engine pool (`resources.engines.shared_pool`, one of the chart's `sharedPools`) gets no
+engines or weight-sync of its own, and a trainer that publishes adapters into the pool
+(`miles.controller.backends.kubernetes_shared_pool`); `observe` reports the pool's ready engines without waiting.
+
 Limits: the engine pool's registration with the router is the router's own discovery (EndpointSlices labelled
 `miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one); an
 adopted engine Deployment (409) keeps the args it was created with.
@@ -46,6 +50,12 @@ from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import JobProgress, SharedServices
 from miles.controller.backends.kubernetes_limits import kubernetes_problem
+from miles.controller.backends.kubernetes_shared_pool import (
+    check_pool_declared,
+    check_pool_in_chart,
+    place_on_shared_pool,
+    ready_engines,
+)
 from miles.controller.env_server_templates import EnvironmentServerParams, env_server_image_of
 from miles.controller.job_templates import (
     JobAddresses,
@@ -136,6 +146,8 @@ def _engine_kind_problem(templates: Mapping[str, str], spec: JobSpec) -> str:
     """Why the chart cannot run `spec`'s engines ("" when it can). The chart decides the engine implementation for
     the release; a job asking for the other one is refused before anything is created (running it on the wrong
     engine would silently change what it measures)."""
+    if spec.resources.engines.shared_pool is not None:  # no engines of its own: the pool's are the chart's kind
+        return ""
     chart_kind = engine_kind_of(templates)
     wanted = spec.resources.engines.kind
     if not chart_kind or chart_kind == wanted:
@@ -234,10 +246,12 @@ class KubernetesJobBackend:
 
     async def check_spec(self, spec: JobSpec) -> None:
         self._check_runnable(spec)
+        check_pool_declared(spec, self.shared)
         try:
             templates = await self.templates()
         except MilesError:  # the API or the chart's ConfigMap is not there now: start says so, with retries
             return
+        check_pool_in_chart(spec, templates)
         problem = _engine_kind_problem(templates, spec)
         if problem:
             raise InvalidArgumentError(problem, field="resources.engines.kind")
@@ -257,10 +271,12 @@ class KubernetesJobBackend:
         if problem:
             raise FailedPreconditionError(problem)
         params = template_params(job_id, spec)
-        job_objects = instantiate_job_templates(templates, params)
-        if await self._engines_record_routing(spec, record_routing):
+        job_objects, files = instantiate_job_templates(templates, params), spec_files(spec)
+        if spec.resources.engines.shared_pool is not None:
+            job_objects, files = place_on_shared_pool(templates, job_id, spec, self.shared, job_objects, files)
+        elif await self._engines_record_routing(spec, record_routing):
             job_objects = with_engine_args(job_objects, [ENGINE_ROUTING_FLAG])
-        spec_config_map = job_spec_config_map(templates, params, spec_files(spec))
+        spec_config_map = job_spec_config_map(templates, params, files)
         created_owner = await self._create_or_read(spec_config_map)
         tokens = job_tokens_secret(spec_config_map, {"sandbox-token": self.shared.tokens.sandbox_job(job_id)})
         objects = owned_by([tokens, *job_objects], created_owner)
@@ -305,6 +321,9 @@ class KubernetesJobBackend:
                 return JobProgress(phase="failed", error=f"the job's ConfigMap {spec_name} was deleted")
             raise
         pools, problem = await self._pools(job_id)
+        shared_pool = spec.resources.engines.shared_pool
+        if shared_pool is not None:  # the platform's engines: reported, never waited for
+            pools["engines"] = await self._call(ready_engines, self.apps, self.namespace, templates, shared_pool)
         status = await self._trainer_status(templates, job_id)
         metrics: dict[str, float] = {}
         step = weight_version = 0
@@ -319,7 +338,7 @@ class KubernetesJobBackend:
         if problem:
             return JobProgress("failed", step, weight_version, problem, pools=pools, metrics=metrics)
         desired = {
-            "engines": spec.resources.engines.replicas,
+            "engines": 0 if shared_pool is not None else spec.resources.engines.replicas,
             "rollout_workers": spec.resources.rollout_workers.replicas,
             "trainer": spec.resources.trainer.replicas,
         }

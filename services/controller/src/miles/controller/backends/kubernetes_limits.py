@@ -4,10 +4,9 @@ again at start, for a job accepted by another controller version).
 - `weight_sync.transport: disk`: needs a volume the trainer and the engines share, which the chart does not mount.
 - `rollout.environment.interpreter` / `python_path`: local environment servers only; on Kubernetes the server runs
   in the connector's image, which must import the connector itself.
-- `resources.engines.shared_pool` (LoRA jobs on a shared engine pool) and `inference_pools` (judge / teacher pools):
-  the local backend runs them; the chart has no templates for them yet (no shared-pool Deployment with an adapter
-  volume the trainers also mount, no per-job inference-engine template), so such a job is refused rather than run
-  with the wrong engines.
+- `inference_pools` (judge / teacher pools): the local backend runs them; the chart has no per-job inference-engine
+  template yet, so such a job is refused rather than run with the wrong engines. (Shared LoRA engine pools do run:
+  `kubernetes_shared_pool`.)
 """
 
 from __future__ import annotations
@@ -30,11 +29,6 @@ def kubernetes_problem(spec: JobSpec) -> tuple[str, str] | None:
                 "server runs in the connector's image (the chart's jobTemplates.envServer.images), which must "
                 "import the connector itself"
             )
-    if spec.resources.engines.shared_pool is not None:
-        return "resources.engines.shared_pool", (
-            "shared engine pools run on the local backend only: the chart has no shared-pool templates yet; give "
-            "the LoRA job engines of its own on Kubernetes"
-        )
     if spec.inference_pools:
         return "inference_pools", (
             "inference pools (judge, teacher) run on the local backend only: the chart has no inference-engine "
