@@ -11,6 +11,7 @@ turns of both jobs between the publishes. Checked:
   the adapter that version names, and differ from the other job's adapter and from the base model: the request
   was served by its own job's adapter at that version;
 - on every engine only the job's newest `adapters_loaded` versions stay loaded, and the other job's are untouched;
+  a job's publisher closing (its trainer ends) unloads its versions and only its own;
 - an engine that lost the live version gets it back from the publisher's reconcile.
 """
 
@@ -181,11 +182,16 @@ def test_two_lora_jobs_on_one_pool_are_each_served_their_own_adapter_version(sta
                 assert response.status_code == 200, response.text
                 assert "lora-a@2" not in loaded_adapters(stack.engine_urls[0])
                 assert await publishers["lora-a"].reconcile() == 0
+                for engine_url in stack.engine_urls:  # each job keeps its newest two versions; the other's stay
+                    assert loaded_adapters(engine_url) == {"lora-a@1", "lora-a@2", "lora-b@0", "lora-b@1"}
+                await publishers.pop("lora-a").close()  # job A ends: its versions go, B's stay
+                for engine_url in stack.engine_urls:
+                    assert loaded_adapters(engine_url) == {"lora-b@0", "lora-b@1"}
         finally:
             for pub in publishers.values():
                 await pub.close()
 
     asyncio.run(scenario())
     assert num_turns == 2 * max(num_versions.values())
-    for engine_url in stack.engine_urls:  # each job keeps its newest two versions loaded; nothing of the other goes
-        assert loaded_adapters(engine_url) == {"lora-a@1", "lora-a@2", "lora-b@0", "lora-b@1"}
+    for engine_url in stack.engine_urls:  # both jobs ended: every slot is free again
+        assert loaded_adapters(engine_url) == set()

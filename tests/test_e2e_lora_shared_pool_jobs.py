@@ -11,8 +11,8 @@ publisher loads each version into the pool's engine and announces it to the sess
 Checked: both jobs SUCCEED at their last step and version; every step of each job has train-vs-rollout logprob
 difference exactly 0 (each request was served with its own job's adapter at the version it trains: the other
 job's adapter, the base model or a stale version would give other numbers) and staleness 0; neither job has
-engines or a weight-sync of its own; the pool's engine outlives both jobs, holding each job's newest adapter
-versions, until the pool is stopped.
+engines or a weight-sync of its own; the pool's engine outlives both jobs, and holds no adapter of theirs once they
+ended (each trainer unloads its versions as it stops), until the pool is stopped.
 
 About 4 minutes on 2 shared cores.
 """
@@ -146,5 +146,5 @@ def test_two_lora_jobs_train_strictly_on_policy_on_one_shared_pool(
             assert metrics["num_loss_tokens"] > 0, (job_id, step, metrics)
             assert metrics["train_rollout_logprob_abs_diff_max"] == 0.0, (job_id, step, metrics)
             assert metrics["staleness_max"] == 0.0, (job_id, step, metrics)
-    assert loaded == {f"{job_id}@{v}" for job_id in JOB_IDS for v in (NUM_STEPS - 1, NUM_STEPS)}, loaded
+    assert loaded == set(), loaded  # each trainer unloaded its versions as its job ended: the slots are free again
     assert sorted(p.name for p in (tmp_path / "state" / "pools" / POOL_NAME).glob("*.log")) == ["engine-0.log"]

@@ -154,10 +154,19 @@ class AdapterPublisher(WeightPublisher):
                 log.warning("adapter reconcile failed", extra={"error": str(exc)})
 
     async def close(self) -> None:
+        """Stop reconciling and unload this job's versions from the pool: the trainer ends with the job (finished,
+        cancelled), and a finished job's adapters would keep the pool's slots forever. A trainer that comes back
+        (a crash, a rescheduled pod) loads its live version again at resume."""
         if self._reconciler is not None:
             self._reconciler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reconciler
+        try:
+            unloaded = await self.pool.unload_all()
+        except Exception as exc:  # best effort on the way out: the engines may be gone too
+            log.warning("could not unload the job's adapters", extra={"error": str(exc)})
+        else:
+            log.info("unloaded the job's adapters", extra={"num_adapters": unloaded})
         await self.pool.close()
         if self._router is not None:
             await self._router.close()

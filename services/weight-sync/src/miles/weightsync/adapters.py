@@ -150,6 +150,22 @@ class PoolAdapters:
                 unloaded += 1
         return unloaded
 
+    async def unload_all(self) -> int:
+        """Unload every version of this job that an engine reported loaded (the job is over: its slots go back to
+        the pool); how many were unloaded. Best effort, as `retire`."""
+        unloaded = 0
+        for url, versions in list(self._loaded.items()):
+            for version in sorted(versions):
+                try:
+                    await self._call(url, "/unload_lora_adapter", {"lora_name": adapter_name(self.job_id, version)})
+                except (EngineUpdateError, EngineUnreachableError) as exc:
+                    if NOT_LOADED not in str(exc):
+                        log.warning("adapter unload failed", extra={"engine_url": url, "error": str(exc)})
+                        continue
+                versions.discard(version)
+                unloaded += 1
+        return unloaded
+
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
