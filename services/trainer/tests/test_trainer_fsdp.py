@@ -3,7 +3,8 @@ the CPU, FSDP2-sharded policy, rank 0 driving rank 1) trains one step from the b
 its checkpoint (weights and Adam state broadcast from rank 0 into the shards) and trains the second; the final
 checkpoint equals a single-process computation of the same two steps. Once with one optimizer step per trainer
 step, once with two minibatches x two epochs (a scoring pass for pi_old, four optimizer steps per trainer step,
-ranks with fewer micro-batches running empty ones in every pass)."""
+ranks with fewer micro-batches running empty ones in every pass), and that again as PPO with a critic (the value
+head sharded with the policy, its GAE advantages whitened over both ranks, its checkpoint restored)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
 from miles.buffer.client import BufferClient
 from miles.common.jobspec.trainer import TrainConfig
@@ -23,6 +25,7 @@ from miles.proto.trainer.v1 import trainer_pb2
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.torch_backend import load_policy
 from miles.trainer.batch import samples_from_group
+from miles.trainer.checkpoint import CRITIC_DIR, CRITIC_PREFIX, CRITIC_WEIGHTS_FILE
 from miles.trainer.step import run_step
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,13 +34,16 @@ TRAIN = {"batch_size_groups": 2, "micro_batch_max_tokens": 20, "pull_wait_s": 0.
 # Adam with eps = 1 makes the first updates ~linear in the gradient, so float noise in near-zero gradients
 # (which Adam's default eps would amplify to full-size updates) cannot hide a real difference.
 OPTIMIZER = {"lr": 1e-2, "eps": 1.0, "grad_clip_norm": None}
+PPO_CRITIC = {"loss": {"advantage_estimator": "gae"}, "critic": {"lr": 1e-2}, "num_minibatches": 2, "ppo_epochs": 2}
 
 
 @pytest.mark.parametrize(
-    "recipe", [{}, {"num_minibatches": 2, "ppo_epochs": 2}], ids=["one_update", "minibatches_and_epochs"]
+    "recipe",
+    [{}, {"num_minibatches": 2, "ppo_epochs": 2}, PPO_CRITIC],
+    ids=["one_update", "minibatches_and_epochs", "ppo_critic"],
 )
 async def test_two_rank_fsdp_trainer_with_a_restart_matches_single_process_training(
-    recipe: dict[str, int],
+    recipe: dict[str, Any],
     buffer_process: Any,
     small_model_dir: Path,
     tmp_path: Path,
@@ -95,3 +101,14 @@ async def test_two_rank_fsdp_trainer_with_a_restart_matches_single_process_train
     assert moved > 1e-4
     assert distributed.keys() == expected.keys()
     assert max((distributed[n] - expected[n]).abs().max().item() for n in expected) < 1e-3 * moved
+    # The value head: sharded with the policy, restored from rank 0, its advantages whitened over both ranks.
+    if "critic" in recipe:
+        head = load_file(str(tmp_path / "ckpt" / "step-00000002" / CRITIC_DIR / CRITIC_WEIGHTS_FILE))
+        expected_head = {
+            n.removeprefix(CRITIC_PREFIX): t
+            for n, t in single.checkpoint_tensors().items()
+            if n.startswith(CRITIC_PREFIX)
+        }
+        assert head.keys() == expected_head.keys() == {"value_head.weight", "value_head.bias"}
+        head_moved = expected_head["value_head.weight"].abs().max().item()
+        assert max((head[n] - expected_head[n]).abs().max().item() for n in head) < 1e-3 * head_moved

@@ -18,6 +18,9 @@ all equal gets exactly A = 0 (the mean is taken as that reward, so float roundin
 1e-17 advantage for Adam to normalise into a full-size update); a buffer group in which this holds for every
 role carries no signal (`roles_have_signal`), and dynamic sampling discards it before it reaches a batch.
 
+`gae` is not computed here: it needs the critic's values, which only the trainer step's forward gives
+(`miles.trainer.critic`).
+
 Limit: `Sample.token_rewards` are not used (the scalar reward drives every estimator).
 """
 
@@ -121,4 +124,6 @@ def compute_advantages(
     if estimator == "reinforce_pp_baseline":
         centered = group_baseline_advantages(samples, divide_by_std=False, eps=eps)
         return whiten_per_role(centered, samples, eps=eps)
+    if estimator == "gae":
+        raise ValueError("gae advantages come from the critic's values, in the trainer step (miles.trainer.critic)")
     raise ValueError(f"unknown advantage estimator {estimator!r}")

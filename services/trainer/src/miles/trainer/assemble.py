@@ -75,7 +75,7 @@ def assemble(
         SampleReward(s.group_index, s.reward, s.trainable, sum(s.loss_mask) if s.trainable else 0, s.role)
         for s in samples
     ]
-    if config.loss.kind == "policy_gradient":
+    if config.loss.kind == "policy_gradient" and config.loss.advantage_estimator != "gae":  # gae: in the step
         advantages = compute_advantages(rewards, config.loss.advantage_estimator, eps=config.loss.advantage_eps)
         for sample, advantage in zip(samples, advantages, strict=True):
             sample.advantage = advantage

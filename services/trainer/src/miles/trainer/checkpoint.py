@@ -16,6 +16,9 @@ A checkpoint is `<checkpoint_dir>/step-00000012/`:
     parameter, as for every publish).
 - LoRA (`train.lora`, `full` format only): `adapter/` in place of `model/`, the adapter in PEFT format
   (`adapter_config.json`, `adapter_model.safetensors`, float32); `optimizer.pt` holds its AdamW state only;
+- PPO with a critic (`train.critic`, `full` format): `critic/value_head.safetensors`, the value head (never in
+  `model/`, which stays the policy the engines serve); its AdamW state is in `optimizer.pt` with the rest. The
+  `sharded` format holds it in `dcp/` like every other parameter;
 - `rng.pt`: torch RNG states (rank 0's);
 - `trainer_state.json` (`TrainerState`): step, weight version, the ids of the groups this checkpoint commits,
   the dataset cursor, the format and the world size it was written at.
@@ -62,6 +65,10 @@ ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 SHARDED_DIR = "dcp"
+CRITIC_DIR = "critic"
+CRITIC_WEIGHTS_FILE = "value_head.safetensors"
+CRITIC_PREFIX = "critic."
+"""Checkpoint tensors named `critic.<parameter>` are the value head's: written to `critic/`, not to `model/`."""
 _COPIED_MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -146,6 +153,18 @@ def write_adapter_dir(out_dir: Path, tensors: dict[str, torch.Tensor], adapter_c
     save_file(contiguous, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
 
 
+def write_critic_dir(out_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The value head's tensors among `tensors` (`critic.` names) into `out_dir/value_head.safetensors` (float32,
+    under the head's parameter names; nothing written without them); returns the other tensors."""
+    head = {n.removeprefix(CRITIC_PREFIX): t for n, t in tensors.items() if n.startswith(CRITIC_PREFIX)}
+    if head:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {n: t.detach().float().contiguous().cpu() for n, t in head.items()}, str(out_dir / CRITIC_WEIGHTS_FILE)
+        )
+    return {n: t for n, t in tensors.items() if not n.startswith(CRITIC_PREFIX)}
+
+
 def atomic_publish_dir(temp_dir: Path, final_dir: Path) -> None:
     """fsync temp_dir's tree, rename it to final_dir (replacing an old one), fsync the parent."""
     fsync_tree(temp_dir)
@@ -224,6 +243,7 @@ class CheckpointStore:
     def commit(self, temp: Path, state: TrainerState, tensors: dict[str, torch.Tensor], rng: dict[str, Any]) -> Path:
         """Add the HF export, RNG and state to `temp`, then make it the durable checkpoint of `state.step`."""
         final = self.path_for(state.step)
+        tensors = write_critic_dir(temp / CRITIC_DIR, tensors)
         if self.adapter_config is not None:
             write_adapter_dir(temp / ADAPTER_DIR, tensors, self.adapter_config)
         else:
@@ -257,7 +277,8 @@ class CheckpointStore:
         )
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        """`model/`'s weights, or with LoRA `adapter/`'s; a checkpoint of the other kind is refused."""
+        """`model/`'s weights, or with LoRA `adapter/`'s (a checkpoint of the other kind is refused), and the value
+        head under `critic.` names when the checkpoint has one (the backend checks that it fits the job)."""
         has_adapter = (path / ADAPTER_DIR).is_dir()
         if has_adapter != (self.adapter_config is not None):
             raise ConfigError(
@@ -267,8 +288,12 @@ class CheckpointStore:
                 field="train.lora",
             )
         if has_adapter:
-            return load_file(str(path / ADAPTER_DIR / ADAPTER_WEIGHTS_FILE))
-        return read_safetensors_dir(path / MODEL_DIR)
+            weights = load_file(str(path / ADAPTER_DIR / ADAPTER_WEIGHTS_FILE))
+        else:
+            weights = read_safetensors_dir(path / MODEL_DIR)
+        head_file = path / CRITIC_DIR / CRITIC_WEIGHTS_FILE
+        head = load_file(str(head_file)) if head_file.is_file() else {}
+        return weights | {CRITIC_PREFIX + name: tensor for name, tensor in head.items()}
 
     def _retain(self) -> None:
         steps = self.steps()

@@ -58,6 +58,11 @@ STEP_GAUGES: dict[str, str] = {
     "distill_reverse_kl_mean": "On-policy distillation: mean (student - teacher) logprob over the batch's loss "
     "tokens, the per-token reverse-KL estimate at the student's own tokens, last step",
     "distill_advantage_mean": "On-policy distillation: mean per-token advantage over loss tokens, last step",
+    "value_loss": "PPO with a critic: value loss (clipped, before value_loss_coef, aggregated like the loss)",
+    "value_clipfrac": "PPO with a critic: fraction of loss tokens where the value clip was active, last step",
+    "value_mean": "PPO with a critic: mean value-head prediction over loss tokens before the step's update",
+    "value_explained_variance": "PPO with a critic: 1 - Var(return - value) / Var(return) over the batch's loss "
+    "tokens, values before the step's update (1: perfect critic, 0 or below: no better than a constant)",
 }
 _LAYER_AGREEMENT = re.compile(r"routing_agreement_layer_(\d+)")
 

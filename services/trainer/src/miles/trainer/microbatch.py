@@ -10,7 +10,8 @@ engine's, the behaviour policy), A the advantage, m the loss mask.
 so the behaviour policy's mismatch is corrected exactly once: by the ratio itself (`rollout`) or by the TIS/MIS
 weight (`train`). `TrainConfig.recipe_problems` refuses `rollout` with tis/mis, and `policy_gradient_loss` does
 too. Loss per token: w * keep * ppo(ratio, A) + kl_coef * kl(lp, ref) - entropy_coef * H, aggregated with the
-minibatch's global weights (`losses.aggregation_weights`).
+minibatch's global weights (`losses.aggregation_weights`). With a critic (`gae`), A is the token's GAE advantage
+and value_loss_coef * the clipped value loss is added per token (critic.py).
 
 Where pi_old comes from is the caller's choice (`step.py`): with a single optimizer step in the trainer step it
 is the forward's own output, detached (no extra pass); with more it is a no-grad scoring pass before the first
@@ -29,6 +30,7 @@ from miles.trainer.backends.base import TokenOutputs
 from miles.trainer.backends.common import is_routed
 from miles.trainer.batch import TrainSample
 from miles.trainer.corrections import compute_correction
+from miles.trainer.critic import CriticTargets, add_value_loss
 from miles.trainer.losses import aggregation_weights, kl_penalty, ppo_clip_loss, sft_loss
 from miles.trainer.stats import StepStats
 
@@ -75,6 +77,9 @@ class MicroBatchContext:
     trainer_version: int
     proximal_logprobs: torch.Tensor | None = None
     reference_logprobs: torch.Tensor | None = None
+    critic: CriticTargets | None = None
+    """PPO with a critic: the micro-batch's GAE advantages (used in place of the samples' own), value targets and
+    values before the first update, computed by the step's scoring pass (critic.py)."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +165,17 @@ def micro_batch_loss(
         per_token = sft_loss(logprobs)
         stats.add_total("sft_loss", float((per_token.detach() * weights).sum()))
     else:
+        advantages = flat.advantages if context.critic is None else context.critic.advantages
         pg = policy_gradient_loss(
-            logprobs, proximal, flat.rollout_logprobs, flat.advantages, mask, flat.seq_ids, config, stats
+            logprobs, proximal, flat.rollout_logprobs, advantages, mask, flat.seq_ids, config, stats
         )
         stats.add_total("pg_loss", float((pg.loss.detach() * weights).sum()))
         stats.add_masked("pg_clipfrac", pg.clipped, mask)
         stats.add_masked("pg_dual_clipfrac", pg.dual_clipped, mask)
         stats.add_masked("ppo_ratio", pg.ratio, mask, extremes=True)
         per_token = pg.loss
+        if context.critic is not None and config.critic is not None:
+            per_token = per_token + add_value_loss(outputs.values, context.critic, config.critic, weights, mask, stats)
         if loss_config.kl_coef > 0:
             if context.reference_logprobs is None:
                 raise ValueError("kl_coef > 0 needs the micro-batch's reference logprobs in its context")

@@ -7,6 +7,9 @@ minibatch and epoch, then one scheduler step. Runs on every rank with that rank'
     pi_old: updates == 1: the forward's own output, detached (no extra pass)
             updates > 1:  a no-grad scoring pass over the signal minibatches before the first update, fixed for
                           every epoch (so are the TIS/MIS weights computed from it)
+    critic (`gae`): that scoring pass runs whatever the number of updates and also gives V_old, the value head's
+            predictions before the first update; GAE advantages and value targets are computed from them on each
+            rank for its own micro-batches (critic.py), whitened over the whole batch, fixed for every epoch
     for epoch, for minibatch in signal: zero_grad, forward/backward per micro-batch, optimizer step
     scheduler step (once per trainer step: the LR schedule runs over train.num_steps trainer steps)
 
@@ -31,13 +34,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.backends.base import TokenOutputs, TrainBackend
 from miles.trainer.batch import TrainSample
+from miles.trainer.critic import CriticTargets, critic_targets
 from miles.trainer.microbatch import MicroBatchContext, add_mismatch_stats, flatten, micro_batch_loss
 from miles.trainer.stats import StepStats, mean_over_updates
 
@@ -104,10 +108,11 @@ class StepResult:
 
 def has_signal(samples: Sequence[TrainSample], config: TrainConfig) -> bool:
     """Whether an optimizer step on these samples can have a non-zero gradient: a loss-masked token with a
-    non-zero advantage, or any loss-masked token when a KL/entropy term or the SFT loss applies."""
+    non-zero advantage, or any loss-masked token when a KL/entropy term, the SFT loss or a critic (GAE advantages,
+    value loss) applies."""
     tokens = [s for s in samples if s.num_loss_tokens > 0]
     loss = config.loss
-    if loss.kind == "sft" or loss.kl_coef > 0 or loss.entropy_coef > 0:
+    if loss.kind == "sft" or loss.kl_coef > 0 or loss.entropy_coef > 0 or config.critic is not None:
         return bool(tokens)
     return any(s.advantage != 0.0 for s in tokens)
 
@@ -138,22 +143,23 @@ def run_step(
     if num_updates == 0:
         return StepResult(stats=counts)
     started = time.perf_counter()
-    proximal: dict[MicroKey, torch.Tensor] = {}
-    if num_updates > 1:
-        proximal, scored = _score_proximal(backend, plan, signal, config, rank)
-        values = merge(scored).result()
-        violation = _on_policy_violation(values, config)
-        if violation is not None:
+    scored_before = num_updates > 1 or config.critic is not None
+    scored = _Scored()
+    if scored_before:
+        scored = _score_before_updates(backend, plan, signal, config, rank, merge)
+        if scored.violation is not None:
             elapsed_s = time.perf_counter() - started
-            return StepResult(stats=values | counts, violation=violation, forward_backward_s=elapsed_s)
-    runner = _Updates(backend, plan, config, rank, world_size, proximal)
+            return StepResult(stats=scored.stats | counts, violation=scored.violation, forward_backward_s=elapsed_s)
+        counts |= scored.critic_stats
+    proximal = scored.proximal if num_updates > 1 else {}  # one update: pi_old is its own forward (ratio 1)
+    runner = _Updates(backend, plan, config, rank, world_size, proximal, scored.critic)
     learning_rate = backend.learning_rate()
     updates: list[StepStats] = []
     grad_norms: list[float] = []
     for _ in range(config.ppo_epochs):
         for index in signal:
             merged = merge(runner.forward_backward(index))
-            if num_updates == 1:  # pi_old is this forward's output: check before the only optimizer step
+            if not scored_before:  # pi_old is this forward's output: check before the only optimizer step
                 violation = _on_policy_violation(merged.result(), config)
                 if violation is not None:
                     backend.zero_grad()
@@ -184,12 +190,46 @@ def _padded(minibatch: MiniBatch, rank: int) -> list[list[TrainSample]]:
     return own + [[DUMMY_SAMPLE]] * (minibatch.num_micro_batches - len(own))
 
 
+@dataclass
+class _Scored:
+    """What the scoring pass before the first update gives: pi_old, the critic's targets and statistics (empty
+    without a critic), the merged scoring statistics and the strict on-policy verdict."""
+
+    proximal: dict[MicroKey, torch.Tensor] = field(default_factory=dict)
+    critic: dict[MicroKey, CriticTargets] = field(default_factory=dict)
+    critic_stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+    violation: str | None = None
+
+
+def _score_before_updates(
+    backend: TrainBackend,
+    plan: StepPlan,
+    signal: Sequence[int],
+    config: TrainConfig,
+    rank: int,
+    merge: Callable[[StepStats], StepStats],
+) -> _Scored:
+    """The no-grad pass over the signal minibatches before the first update (several updates, or a critic), the
+    strict on-policy check on it, and then (critic) the GAE targets of this rank's micro-batches."""
+    proximal, values, stats = _score_proximal(backend, plan, signal, config, rank)
+    merged = merge(stats).result()
+    scored = _Scored(proximal=proximal, stats=merged, violation=_on_policy_violation(merged, config))
+    if scored.violation is None and config.critic is not None:
+        own = {(i, m): micro for i in signal for m, micro in enumerate(_own(plan.minibatches[i], rank))}
+        eps = config.loss.advantage_eps
+        scored.critic, scored.critic_stats = critic_targets(own, values, config.critic, eps=eps, merge=merge)
+    return scored
+
+
 @torch.no_grad()
 def _score_proximal(
     backend: TrainBackend, plan: StepPlan, signal: Sequence[int], config: TrainConfig, rank: int
-) -> tuple[dict[MicroKey, torch.Tensor], StepStats]:
-    """pi_old of every loss token of the signal minibatches, under the weights before the first update."""
+) -> tuple[dict[MicroKey, torch.Tensor], dict[MicroKey, torch.Tensor], StepStats]:
+    """pi_old of every loss token of the signal minibatches, under the weights before the first update, and the
+    value head's predictions there (V_old; empty without a value head)."""
     proximal: dict[MicroKey, torch.Tensor] = {}
+    values: dict[MicroKey, torch.Tensor] = {}
     stats = StepStats()
     for index in signal:
         minibatch = plan.minibatches[index]
@@ -198,12 +238,14 @@ def _score_proximal(
         def consume(micro: int, outputs: TokenOutputs, index: int = index, own: list[list[TrainSample]] = own) -> None:
             if micro < len(own):
                 proximal[(index, micro)] = outputs.logprobs.detach()
+                if outputs.values is not None:
+                    values[(index, micro)] = outputs.values.detach()
                 add_mismatch_stats(proximal[(index, micro)], flatten(own[micro], plan.trainer_version), stats)
 
         backend.run_micro_batches(
             _padded(minibatch, rank), consume, temperature=config.loss.temperature, entropy_grad=False, backward=False
         )
-    return proximal, stats
+    return proximal, values, stats
 
 
 class _Updates:
@@ -218,10 +260,12 @@ class _Updates:
         rank: int,
         world_size: int,
         proximal: dict[MicroKey, torch.Tensor],
+        critic: dict[MicroKey, CriticTargets],
     ) -> None:
         self.backend, self.plan, self.config = backend, plan, config
         self.rank, self.world_size = rank, world_size
         self.proximal = proximal
+        self.critic = critic
         self.reference: dict[MicroKey, torch.Tensor] = {}
         self.referenced: set[int] = set()
         self.started = time.perf_counter()
@@ -247,8 +291,10 @@ class _Updates:
         stats = StepStats()
 
         def consume(micro: int, outputs: TokenOutputs) -> torch.Tensor:
-            if micro >= len(own):
+            if micro >= len(own):  # every trained parameter gets a (zero) gradient: FSDP's collectives stay matched
                 loss = outputs.logprobs.sum() * 0.0
+                if outputs.values is not None:
+                    loss = loss + outputs.values.sum() * 0.0
             else:
                 context = MicroBatchContext(
                     global_num_tokens=minibatch.global_num_tokens,
@@ -256,6 +302,7 @@ class _Updates:
                     trainer_version=self.plan.trainer_version,
                     proximal_logprobs=self.proximal.get((index, micro)),
                     reference_logprobs=self.reference.get((index, micro)),
+                    critic=self.critic.get((index, micro)),
                 )
                 loss = micro_batch_loss(outputs, own[micro], context, self.config, stats)
             # Gradients are averaged over data ranks; the loss is already a share of the minibatch's global sum.

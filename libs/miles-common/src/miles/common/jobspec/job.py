@@ -51,7 +51,7 @@ class EnginePoolSpec(_Section):
     shared pool of its base model declared by the platform (each request names the job's adapter)."""
 
     shared_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
-    """Name of a shared engine pool (the controller's `shared_pools`; local backend) to run this LoRA
+    """Name of a shared engine pool (the controller's `shared_pools`, the chart's `sharedPools`) to run this LoRA
     job on instead of starting engines: same base model, `train.lora` rank and target modules within the pool's.
     The job then has no engines or weight-sync of its own, so the other engine fields must stay unset and the
     pool's size is the platform's (PATCH of `engines` answers 400)."""
@@ -201,7 +201,11 @@ class JobSpec(_Section):
     def placement_problems(self) -> list[tuple[str, str]]:
         """(field, why) of choices that are valid on their own but not on these resources (the controller answers
         400 at submission): LoRA trains on one torch-backend trainer replica; a shared engine pool serves only LoRA
-        jobs and sizes itself."""
+        jobs and sizes itself; a critic (PPO's value head) is built by the torch backend only."""
+        trainer_backend = self.resources.trainer.backend
+        if self.train.critic is not None and trainer_backend != "torch":
+            why = f"train.critic (PPO with a value head) needs the torch trainer backend; {trainer_backend} has none"
+            return [("train.critic", why)]
         engines = self.resources.engines
         if engines.shared_pool is not None:
             if self.train.lora is None:

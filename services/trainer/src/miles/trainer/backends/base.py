@@ -43,6 +43,9 @@ class TokenOutputs:
     routing_agreement: torch.Tensor | None = None
     """MoE with recorded routing only: per MoE layer, the fraction of the micro-batch's token positions whose own
     router top-k set equals the recorded one (1.0 everywhere when nothing flipped), float32 [num_layers]."""
+    values: torch.Tensor | None = None
+    """PPO with a critic (torch backend): the value head's V(prefix) of every response token, float32, differentiable
+    in train mode; None without a value head."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def resolve_routing_replay(train: TrainConfig, routing: RoutingShape | None) -> 
 
 def make_backend(settings: TrainerSettings, train: TrainConfig | None = None) -> TrainBackend:
     """The backend named by settings.backend, with its model loaded from settings.model_path. Raises ConfigError
-    when the recipe cannot work with that model (routing replay on a dense model)."""
+    when the recipe cannot work with that backend or model (LoRA or a critic on megatron, routing replay on a dense
+    model)."""
     train = train or settings.train
     backend: TrainBackend
     if settings.backend == "torch":
@@ -206,6 +210,9 @@ def make_backend(settings: TrainerSettings, train: TrainConfig | None = None) ->
     elif settings.backend == "megatron":
         if train.lora is not None:
             raise ConfigError("train.lora: LoRA is implemented by the torch backend only", field="train.lora")
+        if train.critic is not None:
+            why = "train.critic: PPO with a critic (a value head) is implemented by the torch backend only"
+            raise ConfigError(why, field="train.critic")
         from miles.trainer.backends.megatron_backend import MegatronBackend
 
         backend = MegatronBackend.from_settings(settings, train)

@@ -59,11 +59,20 @@ def packed_rows(samples: Sequence[TrainSample], *, trim_routed: bool = False) ->
 
 
 def build_optimizer(
-    parameters: Iterable[nn.Parameter], config: OptimizerConfig, num_steps: int
+    parameters: Iterable[nn.Parameter],
+    config: OptimizerConfig,
+    num_steps: int,
+    *,
+    own_lr: Sequence[tuple[Sequence[nn.Parameter], float]] = (),
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (foreach off: identical numerics on DTensors and plain tensors) and its schedule."""
+    """AdamW (foreach off: identical numerics on DTensors and plain tensors) and its schedule. `own_lr`: parameters
+    (among `parameters`) with a peak learning rate of their own (a value head), each set its own parameter group
+    after the main one; the schedule scales every group alike."""
+    separate = {id(p) for params, _ in own_lr for p in params}
+    groups: list[dict[str, Any]] = [{"params": [p for p in parameters if p.requires_grad and id(p) not in separate]}]
+    groups += [{"params": list(params), "lr": lr} for params, lr in own_lr]
     optimizer = torch.optim.AdamW(
-        [p for p in parameters if p.requires_grad],
+        groups,
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,

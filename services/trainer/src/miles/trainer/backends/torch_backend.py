@@ -15,6 +15,9 @@ a recomputed logprob is bit-identical to what a deterministic engine reported fo
 - FSDP2 (`fully_shard`) when world_size > 1, gloo on the CPU, nccl on GPUs. The whole policy is one FSDP unit
   (miles.model calls its layers' row-wise functions directly, so per-layer units would never see a forward
   hook): parameters are all-gathered for the forward and gradients reduce-scattered after backward.
+- PPO with a critic (`train.critic`, `torch_critic.py`): a value head inside the policy module gives every
+  response token's V(prefix) from the same forward; it has its own AdamW parameter group (`critic.lr`), is in
+  checkpoints and never in the published weights.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from miles.trainer.backends.common import (
     load_full_optimizer_state,
     packed_rows,
 )
+from miles.trainer.backends.torch_critic import VALUE_HEAD, ValueHead, check_critic_tensors, split_critic_tensors
 from miles.trainer.backends.torch_routing import (
     RecordedRouting,
     model_routing_shape,
@@ -50,6 +54,7 @@ from miles.trainer.backends.torch_routing import (
     routing_agreement,
 )
 from miles.trainer.batch import TrainSample
+from miles.trainer.checkpoint import CRITIC_PREFIX
 from miles.trainer.losses import entropy_from_logprobs
 
 if TYPE_CHECKING:
@@ -79,12 +84,26 @@ def enable_layer_checkpointing(lm: CausalLM) -> None:
 
 
 class PackedPolicy(nn.Module):
-    """The module FSDP wraps: one packed forward from token ids to per-token logprobs and entropies, and the
-    router's own top-k of every fed row ((rows, num_moe_layers, top_k) int32; (rows, 0, 0) for a dense model)."""
+    """The module FSDP wraps: one packed forward from token ids to per-token logprobs and entropies, the router's
+    own top-k of every fed row ((rows, num_moe_layers, top_k) int32; (rows, 0, 0) for a dense model) and, with a
+    value head, per-token values (else None)."""
 
-    def __init__(self, lm: CausalLM, *, deterministic: bool, bf16: bool, checkpointing: bool) -> None:
+    def __init__(
+        self,
+        lm: CausalLM,
+        *,
+        deterministic: bool,
+        bf16: bool,
+        checkpointing: bool,
+        value_head: ValueHead | None = None,
+        shared_trunk: bool = False,
+    ) -> None:
+        """`shared_trunk`: the value head's gradient flows into the policy's weights (else it sees detached hidden
+        states)."""
         super().__init__()
         self.lm = lm
+        self.value_head = value_head
+        self.shared_trunk = shared_trunk
         self.deterministic = deterministic
         self.bf16 = bf16
         self.checkpointing = checkpointing
@@ -104,7 +123,7 @@ class PackedPolicy(nn.Module):
         temperature: float,
         entropy_grad: bool,
         routed_experts: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`routed_experts`: (fed rows, num_moe_layers, top_k) expert ids to replay, or None (own routing)."""
         device = self.lm.lm_head_weight.device
         replay = None if routed_experts is None else routed_experts.to(device)
@@ -113,9 +132,12 @@ class PackedPolicy(nn.Module):
             output = self.lm.forward_routed(segments, deterministic=self.deterministic, routed_experts=replay)
             hidden = output.hidden[rows.to(device)]
             logprobs, entropy = self._token_logprobs(hidden, targets.to(device), temperature, entropy_grad)
+            values = None
+            if self.value_head is not None:
+                values = self.value_head(hidden if self.shared_trunk else hidden.detach())
             if self.moe_blocks and torch.is_grad_enabled():
                 logprobs = logprobs + 0.0 * self._expert_anchor()
-            return logprobs, entropy, output.routed_experts
+            return logprobs, entropy, output.routed_experts, values
 
     def _expert_anchor(self) -> torch.Tensor:
         """A zero-weighted sum over every expert and router parameter, added to the logprobs so that each gets a
@@ -166,11 +188,14 @@ class TorchBackend(TrainBackend):
             apply_lora(lm, self.lora, seed=train.seed)
         if train.gradient_checkpointing:
             enable_layer_checkpointing(lm)
+        critic = train.critic
         self.policy = PackedPolicy(
             lm,
             deterministic=train.deterministic,
             bf16=train.dtype == "bfloat16",
             checkpointing=train.gradient_checkpointing,
+            value_head=ValueHead(lm.config.hidden_size, lm.lm_head_weight.device) if critic is not None else None,
+            shared_trunk=critic is not None and critic.shared_trunk,
         )
         if distributed:
             from torch.distributed.fsdp import fully_shard
@@ -178,7 +203,12 @@ class TorchBackend(TrainBackend):
             fully_shard(self.policy)
         self.policy.train()
         self.reference = reference
-        self.optimizer, self.scheduler = build_optimizer(self.policy.parameters(), train.optimizer, train.num_steps)
+        own_lr = []
+        if critic is not None and self.policy.value_head is not None:
+            own_lr.append((list(self.policy.value_head.parameters()), critic.lr or train.optimizer.lr))
+        self.optimizer, self.scheduler = build_optimizer(
+            self.policy.parameters(), train.optimizer, train.num_steps, own_lr=own_lr
+        )
 
     @classmethod
     def from_settings(cls, settings: TrainerSettings, train: TrainConfig) -> TorchBackend:
@@ -192,11 +222,16 @@ class TorchBackend(TrainBackend):
 
     def forward(self, samples: Sequence[TrainSample], *, temperature: float, entropy_grad: bool) -> TokenOutputs:
         packed, recorded, replay = self._pack(samples)
-        logprobs, entropy, picks = self.policy(
+        logprobs, entropy, picks, values = self.policy(
             packed.token_ids, packed.rows, packed.targets, temperature, entropy_grad, replay
         )
         agreement = None if recorded is None else routing_agreement(picks, recorded)
-        return TokenOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(), routing_agreement=agreement)
+        return TokenOutputs(
+            logprobs=logprobs.cpu(),
+            entropy=entropy.cpu(),
+            routing_agreement=agreement,
+            values=None if values is None else values.cpu(),
+        )
 
     @torch.no_grad()
     def reference_logprobs(self, samples: Sequence[TrainSample], *, temperature: float) -> torch.Tensor:
@@ -205,7 +240,7 @@ class TorchBackend(TrainBackend):
         reference = PackedPolicy(
             self.reference, deterministic=self.policy.deterministic, bf16=self.policy.bf16, checkpointing=False
         )
-        logprobs, _, _ = reference(packed.token_ids, packed.rows, packed.targets, temperature, False, replay)
+        logprobs, _, _, _ = reference(packed.token_ids, packed.rows, packed.targets, temperature, False, replay)
         result: torch.Tensor = logprobs.cpu()
         return result
 
@@ -225,7 +260,15 @@ class TorchBackend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, grad_clip_norm: float | None) -> float:
-        norm = global_grad_norm(self.policy.parameters(), grad_clip_norm)
+        """The policy's gradient norm (clipped over the policy's parameters); a value head's gradient is clipped on
+        its own, so that the critic's regression never scales the policy's update down."""
+        head = self.policy.value_head
+        if head is None:
+            norm = global_grad_norm(self.policy.parameters(), grad_clip_norm)
+        else:
+            head_ids = {id(p) for p in head.parameters()}
+            norm = global_grad_norm([p for p in self.policy.parameters() if id(p) not in head_ids], grad_clip_norm)
+            global_grad_norm(head.parameters(), grad_clip_norm)
         self.optimizer.step()
         return norm
 
@@ -236,45 +279,75 @@ class TorchBackend(TrainBackend):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """With LoRA: the merged weights (torch_lora.merged_hf_tensors), what the engines serve."""
+        """The policy's weights, what the engines serve (never the value head); with LoRA the merged weights
+        (torch_lora.merged_hf_tensors)."""
         if self.lora is not None:
             from miles.trainer.backends.torch_lora import merged_hf_tensors
 
             return merged_hf_tensors(self.policy.lm)
+        full = self._full_tensors()
+        return {name.removeprefix(_PREFIX): t for name, t in full.items() if name.startswith(_PREFIX)}
+
+    def _full_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the policy module (`lm.` names, and `value_head.` ones with a critic), whole, float32
+        on the CPU (gathered under FSDP: collective)."""
         if not self.distributed:
-            return {name: p.detach().float().cpu().clone() for name, p in self.policy.lm.named_parameters()}
+            return {name: p.detach().float().cpu().clone() for name, p in self.policy.named_parameters()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.policy, options=options)
-        return {name.removeprefix(_PREFIX): t.float() for name, t in full.items() if isinstance(t, torch.Tensor)}
+        return {name: t.float() for name, t in full.items() if isinstance(t, torch.Tensor)}
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the policy's weights (a value head keeps its own)."""
         if self.lora is not None:
             raise ConfigError("a LoRA policy loads its adapter, not full weights (its base is model_path's)")
+        self._load_full(tensors, {})
+
+    def _load_full(self, weights: dict[str, torch.Tensor], head: dict[str, torch.Tensor]) -> None:
+        """Policy weights (Hugging Face names) and, when given, value-head tensors (its parameter names); collective
+        under FSDP, where the tensors are read on rank 0."""
         if not self.distributed:
-            load_named_tensors(self.policy.lm, tensors, require_all=True)
+            load_named_tensors(self.policy.lm, weights, require_all=True)
+            if head and self.policy.value_head is not None:
+                with torch.no_grad():
+                    for name, param in self.policy.value_head.named_parameters():
+                        param.copy_(head[f"{VALUE_HEAD}.{name}"])
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.policy, {_PREFIX + n: t for n, t in tensors.items()}, options=options)
+        # With a value head, rank 0 may hold the policy's weights only (load_hf_state_dict): not strict then.
+        strict = self.policy.value_head is None
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        state: dict[str, Any] = {_PREFIX + n: t for n, t in weights.items()} | head
+        set_model_state_dict(self.policy, state, options=options)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """With LoRA only the adapter (PEFT names): the frozen base is model_path's."""
+        """The policy's weights and, with a critic, the value head under `critic.` names (checkpoint.py writes those
+        apart); with LoRA only the adapter (PEFT names): the frozen base is model_path's."""
         if self.lora is not None:
             from miles.trainer.backends.torch_lora import adapter_tensors
 
             return adapter_tensors(self.policy.lm)
-        return self.hf_state_dict()
+        full = self._full_tensors()
+        return {
+            name.removeprefix(_PREFIX) if name.startswith(_PREFIX) else CRITIC_PREFIX + name: t
+            for name, t in full.items()
+        }
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what checkpoint_tensors returned (the value head too). Raises ConfigError when the checkpoint's
+        value head does not fit the job (one without the other)."""
         if self.lora is not None:
             from miles.trainer.backends.torch_lora import load_adapter_tensors
 
             load_adapter_tensors(self.policy.lm, tensors)
             return
-        self.load_hf_state_dict(tensors)
+        weights, head = split_critic_tensors(tensors)
+        if weights:  # the process that read the checkpoint (rank 0 under FSDP)
+            check_critic_tensors(head, self.policy.value_head is not None)
+        self._load_full(weights, head)
 
     def optimizer_state(self) -> dict[str, Any]:
         return full_optimizer_state(self.policy, self.optimizer, self.scheduler)

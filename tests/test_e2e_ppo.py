@@ -1,0 +1,135 @@
+"""Acceptance: a PPO-with-critic job (`loss.advantage_estimator: gae`, `train.critic`) runs end to end on the local
+backend and learns the demo task.
+
+The `make run` demo job (`examples/calculator_tool/job.yaml`: multi-turn calculator tool use in the sandbox,
+partial-credit reward, the demo's warmed-up tiny model, fully-async with max staleness 1) with GAE advantages from
+a value head on the policy instead of GRPO's group baseline, cut to NUM_STEPS steps. Its engine, rollout worker,
+weight-sync origin and trainer are real processes, over the `stack`'s shared services (Redis, router, session
+server, buffer, sandbox gateway). The samples are multi-turn: the calculator's output tokens between two model
+turns have loss mask 0, so GAE steps over them.
+
+Checked: the job SUCCEEDS at its last step and version (the engines took every published version: the value head
+is not among the weights they serve); the mean reward of the last steps is above that of the first ones by the
+demo's margin (`scripts/demo.py`'s reward_first / reward_last); every step reports the critic's metrics; the last
+checkpoint holds the value head in `critic/` and the policy alone in `model/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from miles.common.jobspec.job import JobSpec
+from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.backends.local import LocalJobBackend
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+JOB_ID = "ppo-demo"
+NUM_STEPS = 10
+"""The demo's 20 steps of 4 groups (8 episodes each), cut in half to fit the test."""
+MIN_RISE = 0.1
+"""reward_last - reward_first needed, as `scripts/demo.py --min-rise` by default."""
+CRITIC_METRICS = ("value_loss", "value_clipfrac", "value_mean", "value_explained_variance")
+
+
+@pytest.fixture(scope="module")
+def stack_options(make_stack_options: Any) -> Any:
+    return make_stack_options(engine="fake", num_engines=0, sandbox=True)
+
+
+@pytest.fixture(scope="module")
+def demo() -> ModuleType:
+    """`scripts/demo.py` (the `make run` demo): its reward_first / reward_last margin."""
+    spec = importlib.util.spec_from_file_location("miles_demo_script", REPO_ROOT / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ppo_demo_job(model: Path) -> JobSpec:
+    """The demo's job spec with PPO's critic in place of GRPO, cut to NUM_STEPS steps."""
+    spec: dict[str, Any] = yaml.safe_load((REPO_ROOT / "examples" / "calculator_tool" / "job.yaml").read_text())
+    spec["model"]["path"] = str(model)
+    spec["train"].update(num_steps=NUM_STEPS, checkpoint_interval_steps=NUM_STEPS)
+    spec["train"]["loss"]["advantage_estimator"] = "gae"
+    spec["train"]["critic"] = {"lr": 1e-2}  # the head starts at 0: it needs more than the policy's 1e-3
+    return JobSpec.model_validate(spec)
+
+
+def run_to_the_end(
+    loop: asyncio.AbstractEventLoop, backend: LocalJobBackend, spec: JobSpec
+) -> tuple[JobProgress, dict[int, dict[str, float]]]:
+    """The final progress and the trainer's step metrics of every step observed (by step)."""
+    by_step: dict[int, dict[str, float]] = {}
+    while True:
+        progress: JobProgress = loop.run_until_complete(backend.observe(JOB_ID, spec))
+        if progress.step > 0 and "reward_mean" in progress.metrics:
+            by_step[progress.step] = dict(progress.metrics)
+        if progress.phase in ("succeeded", "failed"):
+            return progress, by_step
+        time.sleep(0.5)
+
+
+def test_a_ppo_job_with_a_critic_learns_the_demo_task_and_checkpoints_its_value_head(
+    stack: Any, tmp_path: Path, demo: ModuleType, demo_model: Callable[[str], Path]
+) -> None:
+    model = demo_model("calculator-demo")  # the demo job's model (`make run`'s copy when present)
+    spec = ppo_demo_job(model)
+    assert spec.placement_problems() == [] and spec.train.recipe_problems() == []
+    stack.register_job(JOB_ID, engine_pool=JOB_ID, model_path=model)
+    services = SharedServices(
+        stack.redis_url,
+        stack.router_url,
+        "",
+        stack.session_url,
+        stack.operator_token,
+        stack.buffer_address,
+        stack.sandbox_address,
+        stack.sandbox_http_url,
+    )
+    loop = asyncio.new_event_loop()
+    backend = LocalJobBackend(services, tmp_path / "state", cwd=REPO_ROOT, restart_backoff_initial_s=0.2)
+    started = time.monotonic()
+    try:
+        loop.run_until_complete(backend.start(JOB_ID, spec))
+        progress, by_step = run_to_the_end(loop, backend, spec)
+        job_dir = backend.job_dir(JOB_ID)
+        logs = {p.name: p.read_text(errors="replace")[-3000:] for p in job_dir.glob("*.log")}
+        assert progress.phase == "succeeded", f"{progress}; logs: {json.dumps(logs, indent=1)}"
+        assert progress.step == NUM_STEPS and progress.weight_version == NUM_STEPS, progress
+    finally:
+        loop.run_until_complete(backend.stop(JOB_ID))
+        loop.run_until_complete(backend.close())
+        loop.close()
+
+    rewards = {step: metrics["reward_mean"] for step, metrics in by_step.items()}
+    first, last = demo.edge_mean(rewards, last=False), demo.edge_mean(rewards, last=True)
+    critic = {step: {name: round(metrics[name], 3) for name in CRITIC_METRICS} for step, metrics in by_step.items()}
+    print(f"ppo job: {time.monotonic() - started:.0f}s, rewards by step {rewards}, first {first:.3f} last {last:.3f}")
+    print(f"critic by step: {critic}")
+    assert len(rewards) >= 2 * demo.NUM_EDGE_STEPS, f"too few steps observed: {sorted(rewards)}"
+    assert last - first >= MIN_RISE, rewards
+    for step, metrics in by_step.items():
+        assert metrics["num_loss_tokens"] > 0 and metrics["value_loss"] > 0, (step, metrics)
+        assert all(name in metrics for name in CRITIC_METRICS), (step, metrics)
+
+    checkpoint = job_dir / "checkpoints" / f"step-{NUM_STEPS:08d}"
+    assert sorted(p.name for p in checkpoint.iterdir() if p.is_dir()) == ["critic", "model"], list(checkpoint.iterdir())
+    with safe_open(str(checkpoint / "critic" / "value_head.safetensors"), framework="pt") as head:
+        assert sorted(head.keys()) == ["value_head.bias", "value_head.weight"]
+    with safe_open(str(checkpoint / "model" / "model.safetensors"), framework="pt") as weights:
+        names = list(weights.keys())
+    assert names and not any("value_head" in name for name in names), names
