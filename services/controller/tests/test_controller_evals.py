@@ -1,6 +1,7 @@
 """Evaluation results per version through the controller: what the evaluating rollout worker stores in Redis
 (`miles.common.contracts.evals`) is served by `GET /v1/jobs/{id}/evals` (404 for an unknown job), announced once
-as an `eval` event on the job's stream, and printed by `miles status` (`eval_lines`)."""
+as an `eval` event on the job's stream, and printed by `miles status` (`eval_lines`); an external evaluator's
+score (`POST /v1/jobs/{id}/evals`, what `miles eval --job-id` sends) is stored beside them, once per version."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ EVALUATION = {
     "n_samples_per_prompt": 2,
     "pass_at_k": [1, 2],
 }
+
+
+CHECKPOINT_SCORE = {
+    "version": 10,
+    "evaluator": "checkpoint",
+    "seen_unix_ms": 1_000,
+    "datasets": {
+        "held": {"mean_reward": 0.5, "pass_at_k": {"1": 0.5}, "num_prompts": 4, "num_episodes": 4, "reasons": {"ok": 4}}
+    },
+}
+"""What `miles eval --job-id J --version 10` sends (cli/tests/test_cli_eval_record.py builds it)."""
 
 
 def stored(version: int, reward: float) -> contract.VersionEval:
@@ -51,6 +63,7 @@ async def test_scores_per_version_are_served_announced_and_shown(redis_url: str,
             "reasons": {"ok": 8},
         }
         assert (await client.get("/v1/jobs/jnothere0000/evals")).status_code == 404
+        await record_externally(client, redis, job_id)
 
         async def eval_events() -> list[dict[str, Any]]:
             events: list[dict[str, Any]] = []
@@ -66,8 +79,36 @@ async def test_scores_per_version_are_served_announced_and_shown(redis_url: str,
 
         await asyncio.sleep(0.5)  # a few observe intervals (0.05 s): the supervisor announces what is stored
         announced = await asyncio.wait_for(eval_events(), timeout=60)
+        assert (await client.delete(f"/v1/jobs/{job_id}")).status_code == 204
+        assert not await redis.exists(contract.evals_key(job_id))  # deleted with the job
     await redis.aclose()
-    assert sorted(e["version"] for e in announced) == [0, 5]  # once each
-    assert announced[0]["datasets"]["held"]["num_episodes"] == 8
+    assert sorted(e["version"] for e in announced) == [0, 5, 10, 15]  # once each
+    assert announced[0]["datasets"]["held"]["num_episodes"] == 8 and announced[2]["evaluator"] == "checkpoint"
     lines = eval_lines(body)
     assert lines[1] == "  eval v5: held reward 0.500 pass@1 0.50 pass@2 1.00 (8 eps, 1 discarded); lag 1.0s"
+
+
+async def record_externally(client: Any, redis: aioredis.Redis, job_id: str) -> None:
+    """POST /v1/jobs/{id}/evals: 201 for a new version and for one the engines missed, 409 over a score, 404 for
+    an unknown job, 422 for a body that breaks the schema or claims the job's own `engines`."""
+    body = CHECKPOINT_SCORE
+    created = await client.post(f"/v1/jobs/{job_id}/evals", json=body)
+    assert created.status_code == 201, created.text
+    assert created.json()["evaluator"] == "checkpoint" and created.json()["lag_s"] > 0
+    assert created.json()["datasets"]["held"]["pass_at_k"] == {"1": 0.5}
+    assert (await client.post(f"/v1/jobs/{job_id}/evals", json=body)).json()["error"]["code"] == "eval_exists"
+    over_score = await client.post(f"/v1/jobs/{job_id}/evals", json={**body, "version": 5})
+    assert over_score.status_code == 409
+    missed = contract.VersionEval(15, "missed", 2_000, 1_000, 1.0)
+    await redis.hset(contract.evals_key(job_id), "15", missed.to_json())
+    assert (await client.post(f"/v1/jobs/{job_id}/evals", json={**body, "version": 15})).status_code == 201
+    assert (await client.post("/v1/jobs/jnothere0000/evals", json=body)).status_code == 404
+    for bad in ({**body, "evaluator": "engines"}, {**body, "datasets": {"Bad Name": {}}}, {**body, "version": -1}):
+        assert (await client.post(f"/v1/jobs/{job_id}/evals", json=bad)).status_code == 422
+    listed = (await client.get(f"/v1/jobs/{job_id}/evals")).json()["evals"]
+    assert {e["version"]: e["evaluator"] for e in listed} == {
+        0: "engines",
+        5: "engines",
+        10: "checkpoint",
+        15: "checkpoint",
+    }

@@ -86,7 +86,7 @@ def test_every_answer_is_documented(served_controller: tuple[str, dict[str, Any]
         max_examples=MAX_EXAMPLES_PER_OPERATION,
     )
     report.assert_clean()
-    assert len(report.statuses) == 11
+    assert len(report.statuses) == 12
     assert {201, 422} <= report.statuses["POST /v1/jobs"]  # valid and invalid specs
     assert {200, 401} <= report.statuses["GET /v1/jobs/{job_id}"]  # the live job, and a missing token
     assert report.media_types["GET /v1/jobs/{job_id}/events"] >= {"text/event-stream"}  # the live job's stream

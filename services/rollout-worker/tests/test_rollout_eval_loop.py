@@ -105,6 +105,19 @@ class FakeRedis:
         await self.hset(key, field, value)
         return True
 
+    async def eval(self, script: str, numkeys: int, key: str, field: str, value: str) -> int:
+        """STORE_SCORED_LUA's semantics: set unless the field holds a readable non-`missed` result."""
+        assert script == contract.STORE_SCORED_LUA and numkeys == 1
+        current = self.hashes.get(key, {}).get(field)
+        if current is not None:
+            try:
+                if json.loads(current).get("status") != "missed":
+                    return 0
+            except ValueError:
+                pass
+        await self.hset(key, field, value)
+        return 1
+
     async def set(self, key: str, value: str, *, nx: bool = False, ex: int | None = None) -> bool | None:
         if nx and key in self.strings:
             return None
@@ -113,14 +126,21 @@ class FakeRedis:
 
 
 class ScriptedRunner:
-    """Serves each episode at `served` (a version, or the list of a turn's versions) and records its tasks."""
+    """Serves each episode at `served` (a version, or the list of a turn's versions) and records its tasks and the
+    most episodes it ran at once (each takes `episode_s`)."""
 
     def __init__(self) -> None:
         self.served: list[int] = [0]
         self.tasks: list[EpisodeTask] = []
+        self.episode_s = 0.0
+        self.in_flight = self.most_in_flight = 0
 
     async def run(self, task: EpisodeTask) -> EpisodeOutcome:
         self.tasks.append(task)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(self.episode_s)
+        self.in_flight -= 1
         return outcome(self.served, reward=float(task.prompt_index % 2))
 
 
@@ -209,3 +229,31 @@ def test_of_several_workers_only_the_one_that_claims_a_version_evaluates_it(tmp_
     asyncio.run(scenario())
     assert len(first_runner.tasks) == 8 and second_runner.tasks == []  # 4 prompts at 0 and at 10, once each
     assert {v: r.status for v, r in stored(shared).items()} == {0: "scored", 5: "missed", 10: "scored"}
+
+
+def test_evaluation_never_runs_more_episodes_at_once_than_its_share(tmp_path: Path) -> None:
+    loop, runner, _ = make_loop(tmp_path, n_samples_per_prompt=4, pass_at_k=[1], capacity_share=0.25)
+    runner.episode_s = 0.01
+    asyncio.run(loop._consider(0))
+    assert len(runner.tasks) == 16 and runner.most_in_flight == 2  # 0.25 x max_live_episodes 8, all of it used
+
+
+def test_an_external_score_stands_and_a_missed_version_can_still_be_scored(tmp_path: Path) -> None:
+    loop, runner, redis = make_loop(tmp_path)
+    held = contract.DatasetEval(0.75, {"1": 0.75}, 4, 4)
+    external = contract.VersionEval(0, "scored", 2_000, 1_000, 1.0, {"held": held}, "checkpoint")
+    redis.hashes["miles:evals:job-e"] = {"0": external.to_json()}
+
+    async def scenario() -> None:
+        await loop._consider(0)  # scored already by the external evaluator: not evaluated again
+        await loop._consider(6)  # 5 left behind: missed
+        assert stored(redis)[5].status == "missed"
+        late = contract.VersionEval(5, "scored", 3_000, 2_000, 1.0, {"held": held}, "checkpoint")
+        assert await contract.store_scored(redis, "job-e", late)  # type: ignore[arg-type]
+        assert not await contract.store_scored(redis, "job-e", late)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    assert runner.tasks == []
+    results = stored(redis)
+    assert results[0].evaluator == "checkpoint" and results[0].datasets["held"].mean_reward == 0.75
+    assert results[5].status == "scored" and results[5].evaluator == "checkpoint"

@@ -5,14 +5,18 @@ For one evaluation: a `miles-engine` process on the model directory (the initial
 `model/` directory) joins a router pool of its own, the session server gets a job config naming that pool, and
 `miles.rollout.evaluate` runs one greedy episode per prompt (the spec's rollout section; `dataset` replaces its
 dataset file); then the pool, the job config and the engine go away. `make run` evaluates the demo model before
-and after training on held-out prompts with it.
+and after training on held-out prompts with it. With `--job-id` and `--version` the score is recorded as that
+version's (`recorded_eval_body`, `POST /v1/jobs/{id}/evals`): evaluation on an engine of its own that loads a
+checkpoint, next to a job's own per-version evaluation (`miles.rollout.eval_loop`).
 
-Limits: the local platform only (the engine runs on this machine); one engine per evaluation.
+Limits: the local platform only (the engine runs on this machine); one engine per evaluation; which version a
+checkpoint directory holds is the caller's word (`--version`), nothing checks it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +28,7 @@ import httpx
 
 from miles.cli.launcher import Layout, PlatformError, load_state
 from miles.cli.platform_tokens import SESSION_OPERATOR, load_tokens, platform_tokens
+from miles.common.jobspec.evaluation import EVAL_DATASET_NAME_PATTERN
 from miles.common.jobspec.job import JobSpec
 from miles.common.ports import free_port
 from miles.common.spawn import ProcessSpec, console_script, settings_env, spawn, terminate
@@ -155,14 +160,47 @@ async def evaluate_model(
             await pool.close()
 
 
+def valid_dataset_name(name: str) -> bool:
+    """Whether the controller accepts `name` as a dataset's name (checked before evaluating, not after)."""
+    return re.fullmatch(EVAL_DATASET_NAME_PATTERN, name) is not None
+
+
+def recorded_eval_body(
+    result: EvalResult, spec: JobSpec, *, version: int, dataset_name: str, seen_unix_ms: int
+) -> dict[str, Any]:
+    """`miles eval --job-id --version`: the body of `POST /v1/jobs/{id}/evals` (evaluator `checkpoint`). One greedy
+    episode per prompt, so pass@1 is the share of prompts whose reward reaches the spec's
+    `evaluation.pass_threshold` (1.0 without an evaluation section); lag counts from `seen_unix_ms` (when this
+    evaluation started: when the trainer wrote the checkpoint is not known here)."""
+    threshold = spec.evaluation.pass_threshold if spec.evaluation is not None else 1.0
+    passed = sum(reward >= threshold for reward in result.rewards)
+    return {
+        "version": version,
+        "evaluator": "checkpoint",
+        "seen_unix_ms": seen_unix_ms,
+        "datasets": {
+            dataset_name: {
+                "mean_reward": result.mean_reward,
+                "pass_at_k": {"1": passed / result.num_prompts} if result.num_prompts else {},
+                "num_prompts": result.num_prompts,
+                "num_episodes": result.num_prompts,
+                "reasons": result.reasons,
+            }
+        },
+    }
+
+
 def eval_lines(evals: dict[str, Any], *, last: int = 5) -> list[str]:
     """`miles status`: the job's `last` evaluated versions (GET /v1/jobs/{id}/evals), one line each: per dataset
-    the mean reward and pass@k, then the episodes discarded for running at another version and the lag."""
+    the mean reward and pass@k, then the episodes discarded for running at another version and the lag; a score
+    an external evaluator recorded names it."""
     lines = []
     for result in evals.get("evals", [])[-last:]:
         if result["status"] == "missed":
             lines.append(f"  eval v{result['version']}: missed (the engines had moved past it)")
             continue
+        evaluator = result.get("evaluator", "engines")
+        by = "" if evaluator == "engines" else f" ({evaluator})"
         parts = []
         for name, scored in sorted(result["datasets"].items()):
             passes = " ".join(
@@ -172,5 +210,5 @@ def eval_lines(evals: dict[str, Any], *, last: int = 5) -> list[str]:
                 f"{name} reward {scored['mean_reward']:.3f} {passes} ({scored['num_episodes']} eps, "
                 f"{scored['num_discarded']} discarded)"
             )
-        lines.append(f"  eval v{result['version']}: {'; '.join(parts)}; lag {result['lag_s']:.1f}s")
+        lines.append(f"  eval v{result['version']}{by}: {'; '.join(parts)}; lag {result['lag_s']:.1f}s")
     return lines

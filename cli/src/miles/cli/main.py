@@ -8,6 +8,7 @@
     miles logs SERVICE [-f]       a shared service's log, or a job's process log (`miles logs JOB_ID [PROCESS]`)
     miles cancel JOB_ID           cancel a job
     miles eval SPEC --model DIR   greedy reward of a model on held-out prompts with the spec's agent and reward
+                                  (--job-id J --version V: recorded as version V's score of job J)
 
 The controller is found from `<home>/run/platform.json` (written by `miles up`), or `--url` /
 `MILES_CONTROLLER_URL`; `MILES_API_TOKEN` is sent as the bearer token when set. `<home>` is `--home` or
@@ -163,12 +164,12 @@ def status(home: HomeOption = DEFAULT_HOME, url: UrlOption = None) -> None:
     console.print(_jobs_table(active, title="active jobs") if active else "no active jobs")
     for job in active:
         console.print(health_line(job))
-        if (job.get("spec") or {}).get("evaluation"):
-            from miles.cli.evaluation import eval_lines
+        from miles.cli.evaluation import eval_lines
 
-            with controller_client(home, url) as client:
-                for line in eval_lines(_check(client.get(f"/v1/jobs/{job['job_id']}/evals"))):
-                    console.print(line, soft_wrap=True)
+        with controller_client(home, url) as client:  # the job's own evaluation's scores, or recorded ones
+            evals = client.get(f"/v1/jobs/{job['job_id']}/evals")
+        for line in eval_lines(evals.json()) if evals.status_code == 200 else []:  # a job deleted meanwhile: none
+            console.print(line, soft_wrap=True)
 
 
 @app.command()
@@ -247,20 +248,38 @@ def eval_model(
     home: HomeOption = DEFAULT_HOME,
     dataset: str | None = typer.Option(None, help="Prompts to evaluate on (default: the spec's dataset)"),
     limit: int | None = typer.Option(None, help="Evaluate only the first N prompts"),
+    job_id: str | None = typer.Option(None, help="Record the score for this job (with --version)"),
+    version: int | None = typer.Option(None, min=0, help="The job's weight version the model directory holds"),
+    dataset_name: str = typer.Option("held", help="The dataset's name in the recorded result"),
+    url: UrlOption = None,
 ) -> None:
-    """Greedy reward of a model on a dataset with a job spec's agent and reward (on the platform of miles up)."""
+    """Greedy reward of a model on a dataset with a job spec's agent and reward (on the platform of miles up);
+    with --job-id and --version, recorded as that version's score (GET /v1/jobs/{id}/evals, miles status)."""
     import asyncio
 
-    from miles.cli.evaluation import evaluate_model, platform_endpoints
+    from miles.cli.evaluation import evaluate_model, platform_endpoints, recorded_eval_body, valid_dataset_name
     from miles.common.jobspec.job import JobSpec
 
+    if (job_id is None) != (version is None):
+        raise typer.BadParameter("--job-id and --version go together")
+    if job_id is not None:  # fail before the evaluation, not after it
+        if not valid_dataset_name(dataset_name):
+            raise typer.BadParameter(f"--dataset-name {dataset_name!r}: lowercase letters, digits, _ and -")
+        with controller_client(home, url) as client:
+            _check(client.get(f"/v1/jobs/{job_id}"))
     layout = Layout(home)
     spec = JobSpec.model_validate(load_spec(spec_path))
     endpoints = platform_endpoints(layout)
+    started_ms = int(time.time() * 1000)
     result = asyncio.run(
         evaluate_model(endpoints, spec, model.resolve(), log_dir=layout.log_dir, dataset_path=dataset, limit=limit)
     )
     console.print(f"eval mean_reward={result.mean_reward:.3f} prompts={result.num_prompts} reasons={result.reasons}")
+    if job_id is not None and version is not None:
+        body = recorded_eval_body(result, spec, version=version, dataset_name=dataset_name, seen_unix_ms=started_ms)
+        with controller_client(home, url) as client:
+            _check(client.post(f"/v1/jobs/{job_id}/evals", json=body))
+        console.print(f"recorded as job {job_id} version {version} ({dataset_name})")
 
 
 @app.command()

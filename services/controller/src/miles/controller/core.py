@@ -19,6 +19,7 @@ from miles.common.jobspec.job import JobSpec
 from miles.controller.api_models import ResizeRequest
 from miles.controller.backends.base import SharedPool
 from miles.controller.errors import JobNotFoundError, JobStateConflictError
+from miles.controller.evals import delete_evals
 from miles.controller.jobs import TERMINAL_STATES, JobRecord, JobState, new_job_id
 from miles.controller.lora_check import check_lora, check_shared_pool, read_config
 from miles.controller.metrics import ControllerMetrics
@@ -159,6 +160,7 @@ class JobService:
         """Delete an ended job's record, events and shared-service registrations (409 while it is active)."""
         record = await self.store.get(job_id)
         await self.store.delete(job_id)
+        await delete_evals(self.store.redis, job_id)
         try:
             await self.supervisor.shared.unregister(job_id, record.spec)
         except MilesError as exc:  # the job is gone; its leftovers expire or are overwritten by nothing

@@ -21,6 +21,13 @@ class JobStateConflictError(FailedPreconditionError):
     code = "job_state_conflict"
 
 
+class EvalExistsError(FailedPreconditionError):
+    """A weight version of the job already has a score (one per version, the first scorer's; a `missed` entry is
+    no score and gets replaced)."""
+
+    code = "eval_exists"
+
+
 class IllegalTransitionError(FailedPreconditionError):
     """A state change the job state machine does not allow (e.g. SUCCEEDED -> RUNNING)."""
 

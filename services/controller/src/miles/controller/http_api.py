@@ -1,10 +1,11 @@
 """The REST job API over `JobService` (thin: parse, authenticate, call the core, shape the answer).
 
 Routes (all under bearer auth when api tokens are configured; probes, metrics and /openapi.json stay open):
-POST /v1/jobs, GET /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/events (SSE), POST /v1/jobs/{id}/cancel,
-PATCH /v1/jobs/{id}, DELETE /v1/jobs/{id}. Errors are `{"error": {...}}` bodies from the common app factory;
-invalid bodies are 422 naming the field path (`body.train.num_steps`). Every status a route answers is in its
-`responses` (the OpenAPI document is checked against the server by a schemathesis run in the tests).
+POST /v1/jobs, GET /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/events (SSE), GET and POST
+/v1/jobs/{id}/evals, POST /v1/jobs/{id}/cancel, PATCH /v1/jobs/{id}, DELETE /v1/jobs/{id}. Errors are
+`{"error": {...}}` bodies from the common app factory; invalid bodies are 422 naming the field path
+(`body.train.num_steps`). Every status a route answers is in its `responses` (the OpenAPI document is checked
+against the server by a schemathesis run in the tests).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from miles.common.telemetry import Metrics
 from miles.controller.api_models import JobList, JobView, ResizeRequest
 from miles.controller.core import JobService
 from miles.controller.errors import MissingTokenError, WrongTokenError
-from miles.controller.evals import EvalList, VersionEvalView, read_evals
+from miles.controller.evals import EvalList, RecordEvalRequest, VersionEvalView, read_evals, record_eval
 from miles.controller.jobs import JobState
 
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -65,7 +66,7 @@ JOB_EVENT_SCHEMA: dict[str, Any] = {
         "event": {
             "type": "string",
             "description": "state | started | progress | error | cancel_requested | resize_requested | resized | "
-            "resumed",
+            "resumed | eval",
         },
         "data": {
             "type": "string",
@@ -196,6 +197,24 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
             every_n_versions=None if evaluation is None else evaluation.every_n_versions,
             evals=[VersionEvalView.of(result) for result in results],
         )
+
+    @router.post(
+        "/v1/jobs/{job_id}/evals",
+        status_code=201,
+        response_model=VersionEvalView,
+        responses={
+            **NOT_FOUND,
+            409: {
+                "description": "That weight version already has a score (`code: eval_exists`): one per version (a "
+                "`missed` version is scored by this)"
+            },
+            422: {"description": "The body breaks the schema (`field` names it)"},
+        },
+        summary="Record an external evaluator's score of a weight version (e.g. `miles eval --job-id`)",
+    )
+    async def post_eval(job_id: JobId, body: RecordEvalRequest) -> VersionEvalView:
+        await service.get(job_id)
+        return VersionEvalView.of(await record_eval(service.store.redis, job_id, body))
 
     @router.post(
         "/v1/jobs/{job_id}/cancel",

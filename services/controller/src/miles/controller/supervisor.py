@@ -245,12 +245,12 @@ class Supervisor:
                 "metrics": metrics,
             }
         await self.store.update(record.job_id, fields, event)
-        if record.spec.evaluation is not None:
-            await self._announce_evals(record, loop)
+        await self._announce_evals(record, loop)  # the job's own evaluation, or an external evaluator's
         await self._watch_for_stall(record, progress, loop)
 
     async def _announce_evals(self, record: JobRecord, loop: _JobLoopState) -> None:
-        """An `eval` event per newly stored evaluation version; a Redis hiccup is retried at the next observe."""
+        """An `eval` event per newly stored evaluation version (one HLEN per observation while nothing is new); a
+        Redis hiccup is retried at the next observe."""
         try:
             for eval_event in await loop.evals.new_events(self.store.redis, record.job_id):
                 await self.store.update(record.job_id, {}, eval_event)

@@ -192,7 +192,7 @@ class EvalLoop:
         done = {int(v) for v in await self.redis.hkeys(contract.evals_key(self.job_id))}
         for version in range(self._considered + 1, newest):
             if self.spec.due(version) and version not in done:
-                await self._write(self._missed(version), only_if_absent=True)
+                await self._write(self._missed(version))
         self._considered = newest
         if self.spec.due(newest) and newest not in done and await self._claim(newest):
             await self._write(await self.evaluate(newest))
@@ -261,13 +261,17 @@ class EvalLoop:
                 self._datasets[spec.name] = Dataset(dataset_spec, rows[: dataset_spec.limit])
         return self._datasets[spec.name]
 
-    async def _write(self, result: contract.VersionEval, *, only_if_absent: bool = False) -> None:
-        key, field = contract.evals_key(self.job_id), str(result.version)
-        if only_if_absent:  # a `missed` never overwrites another worker's score
-            if not await self.redis.hsetnx(key, field, result.to_json()):
-                return
+    async def _write(self, result: contract.VersionEval) -> None:
+        """Store `result`: a `missed` only where the version has nothing; a score unless another one is there (an
+        external evaluator's, `POST /v1/jobs/{id}/evals`), replacing a `missed` another worker wrote."""
+        if result.status == "missed":
+            key, field = contract.evals_key(self.job_id), str(result.version)
+            stored = bool(await self.redis.hsetnx(key, field, result.to_json()))
         else:
-            await self.redis.hset(key, field, result.to_json())
+            stored = await contract.store_scored(self.redis, self.job_id, result)
+        if not stored:
+            log.info("version already stored", extra={"job_id": self.job_id, "version": result.version})
+            return
         self.metrics.versions.labels(status=result.status).inc()
         self.metrics.version.set(result.version)
         self.metrics.lag_s.set(result.lag_s)
