@@ -14,7 +14,8 @@ from miles.rollout.teacher import TeacherScorer, TeacherUnavailableError
 
 
 class FakeRouter:
-    """Answers /generate with logprob -i/8 at response position i, or `status` when it is not 200."""
+    """Answers /generate as SGLang does (entries for input_ids[logprob_start_len:], the first one null) with
+    logprob -p/8 at position p, or `status` when it is not 200."""
 
     def __init__(self) -> None:
         self.received: list[dict[str, Any]] = []
@@ -26,7 +27,7 @@ class FakeRouter:
         if self.status != 200:
             return httpx.Response(self.status, text="no")
         start, ids = body["logprob_start_len"], body["input_ids"]
-        entries = [[-(i / 8), token, None] for i, token in enumerate(ids[start:])]
+        entries = [[None if p == start else -(p / 8), ids[p], None] for p in range(start, len(ids))]
         return httpx.Response(200, json={"text": "", "meta_info": {"input_token_logprobs": entries}})
 
     def scorer(self, retry_budget_s: float = 1.0) -> TeacherScorer:
@@ -44,11 +45,11 @@ async def test_every_response_token_gets_the_teachers_logprob_and_masked_ones_ze
         await scorer.score([sample])
     finally:
         await scorer.close()
-    assert list(sample.teacher_logprobs) == [0.0, 0.0, -0.25]
+    assert list(sample.teacher_logprobs) == [-0.25, 0.0, -0.5]  # positions 2 and 4; 3 is masked
     sent = router.received[0]
     assert (sent["path"], sent["pool"], sent["input_ids"]) == ("/generate", "job--teacher", [5, 6, 7, 8, 9])
     assert (sent["logprob_start_len"], sent["return_logprob"], sent["sampling_params"]["max_new_tokens"]) == (
-        2,
+        1,
         True,
         0,
     )

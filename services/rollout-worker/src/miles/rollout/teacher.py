@@ -2,8 +2,10 @@
 
 For each trainable sample of a finished episode, one SGLang `/generate` through the rollout router to the job's
 teacher pool (header `X-Miles-Pool`): the sample's token ids as `input_ids`, `max_new_tokens` 0 (nothing is
-generated), `return_logprob` with `logprob_start_len` = the sample's response start, so `input_token_logprobs`
-holds log p_teacher(token_t | tokens_<t) for every response position. They go into `Sample.teacher_logprobs`
+generated), `return_logprob` with `logprob_start_len` one before the sample's response start, so
+`input_token_logprobs` holds log p_teacher(token_t | tokens_<t) for every response position after its first entry:
+SGLang's first entry is always null (docs/sglang-protocol.md: `[None] + computed[:-1]`), so starting at the response
+start itself would lose the first response token's score. They go into `Sample.teacher_logprobs`
 (0.0 where the loss mask is 0: tool and user tokens are not the student's), which the trainer turns into the
 per-token advantage (miles.common.jobspec.distillation).
 
@@ -65,11 +67,15 @@ class TeacherScorer:
 
     async def _logprobs(self, sample: common_pb2.Sample) -> list[float]:
         start = int(sample.response_start)
+        if start < 1:
+            raise TeacherUnavailableError(
+                "a sample without prompt tokens cannot be scored (its first token has no context)"
+            )
         body: dict[str, Any] = {
             "input_ids": list(sample.tokens),
             "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
             "return_logprob": True,
-            "logprob_start_len": start,
+            "logprob_start_len": start - 1,
         }
         headers = {POOL_HEADER: self.router_pool}
 
@@ -92,12 +98,14 @@ class TeacherScorer:
 
 def _response_logprobs(answer: Any, num_response_tokens: int) -> list[float]:
     """The logprob of each response token from SGLang's `meta_info.input_token_logprobs` ([logprob, id, text?]
-    entries from logprob_start_len on; the entry of position 0, which has no context, is null)."""
+    entries from logprob_start_len = response start - 1 on: the first, always null, is the prompt's last token)."""
     answer = answer[0] if isinstance(answer, list) else answer
     entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
-    if len(entries) < num_response_tokens:
+    if len(entries) < num_response_tokens + 1:
         raise TeacherUnavailableError(
             f"the teacher gave {len(entries)} input logprobs for {num_response_tokens} response tokens"
         )
-    values = [entry[0] for entry in entries[:num_response_tokens]]
-    return [float(value) if value is not None else 0.0 for value in values]
+    values = [entry[0] for entry in entries[1 : num_response_tokens + 1]]
+    if any(value is None for value in values):
+        raise TeacherUnavailableError("the teacher gave no logprob for a response token")
+    return [float(value) for value in values]
