@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from miles.common.jobspec.distillation import DistillationConfig
+from miles.common.jobspec.trainer import TrainConfig
 from miles.proto.common.v1 import common_pb2
 from miles.trainer.batch import BadGroupError, TrainSample, samples_from_group
 from miles.trainer.distillation import apply_distillation
 from miles.trainer.microbatch import flatten
+from miles.trainer.step import has_signal
 
 
 def sample(mask: list[int], rollout: list[float], teacher: list[float] | None, advantage: float) -> TrainSample:
@@ -44,6 +46,20 @@ def test_token_advantages_are_the_teacher_minus_student_logprob_plus_the_weighte
     assert stats["distill_advantage_mean"] == pytest.approx((1.75 - 1.75 + 1.5 - 0.5) / 4)
     flat = flatten([first, second], trainer_version=0)
     assert flat.advantages.tolist() == [1.75, 0.0, -1.75, 1.5, -0.5]
+
+
+def test_a_step_whose_task_rewards_are_all_equal_still_has_the_teachers_signal() -> None:
+    """A group of equal task rewards has a zero group advantage, but its tokens still carry the distillation
+    advantage: such a step must be trained, not skipped (it was: the student learned only on the steps whose groups
+    happened to differ in reward)."""
+    config = DistillationConfig(teacher_pool="t")
+    scored = sample([1, 1], [-1.0, -2.0], [-0.5, -2.5], advantage=0.0)
+    apply_distillation([scored], config)
+    assert has_signal([scored], TrainConfig())
+    matched = sample([1, 0], [-1.0, -2.0], [-1.0, -9.0], advantage=0.0)  # teacher agrees on the one loss token
+    apply_distillation([matched], config)
+    assert matched.token_advantages == [0.0, 0.0]
+    assert not has_signal([matched], TrainConfig())
 
 
 def test_a_distillation_job_refuses_a_trainable_sample_without_teacher_logprobs() -> None:

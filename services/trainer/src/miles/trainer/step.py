@@ -108,13 +108,20 @@ class StepResult:
 
 def has_signal(samples: Sequence[TrainSample], config: TrainConfig) -> bool:
     """Whether an optimizer step on these samples can have a non-zero gradient: a loss-masked token with a
-    non-zero advantage, or any loss-masked token when a KL/entropy term, the SFT loss or a critic (GAE advantages,
+    non-zero advantage (the sample's, or its own per-token one: on-policy distillation's, whatever the task reward's
+    group advantage), or any loss-masked token when a KL/entropy term, the SFT loss or a critic (GAE advantages,
     value loss) applies."""
     tokens = [s for s in samples if s.num_loss_tokens > 0]
     loss = config.loss
     if loss.kind == "sft" or loss.kl_coef > 0 or loss.entropy_coef > 0 or config.critic is not None:
         return bool(tokens)
-    return any(s.advantage != 0.0 for s in tokens)
+    return any(_has_nonzero_advantage(s) for s in tokens)
+
+
+def _has_nonzero_advantage(sample: TrainSample) -> bool:
+    if sample.token_advantages is None:
+        return sample.advantage != 0.0
+    return any(a != 0.0 and m for a, m in zip(sample.token_advantages, sample.loss_mask, strict=True))
 
 
 def run_step(
