@@ -29,7 +29,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,25 +137,17 @@ class PoolAdapters:
         that reported them; return how many were unloaded. Failures are logged: a version left loaded costs a
         slot, never a wrong answer."""
         oldest_kept = live_version - self.keep_loaded + 1
-        unloaded = 0
-        for url, versions in list(self._loaded.items()):
-            for version in sorted(v for v in versions if v < oldest_kept):
-                try:
-                    await self._call(url, "/unload_lora_adapter", {"lora_name": adapter_name(self.job_id, version)})
-                except (EngineUpdateError, EngineUnreachableError) as exc:
-                    if NOT_LOADED not in str(exc):
-                        log.warning("adapter unload failed", extra={"engine_url": url, "error": str(exc)})
-                        continue
-                versions.discard(version)
-                unloaded += 1
-        return unloaded
+        return await self._unload(lambda version: version < oldest_kept)
 
     async def unload_all(self) -> int:
         """Unload every version of this job that an engine reported loaded (the job is over: its slots go back to
         the pool); how many were unloaded. Best effort, as `retire`."""
+        return await self._unload(lambda _: True)
+
+    async def _unload(self, wanted: Callable[[int], bool]) -> int:
         unloaded = 0
         for url, versions in list(self._loaded.items()):
-            for version in sorted(versions):
+            for version in sorted(v for v in versions if wanted(v)):
                 try:
                     await self._call(url, "/unload_lora_adapter", {"lora_name": adapter_name(self.job_id, version)})
                 except (EngineUpdateError, EngineUnreachableError) as exc:
