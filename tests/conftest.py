@@ -27,6 +27,7 @@ from typing import Any, Literal
 import httpx
 import pytest
 import redis
+import yaml
 
 from miles.common.testing import RedisServer, ServiceProcess, free_port, wait_for_http_ready
 from miles.common.testing.smoke import console_script
@@ -100,6 +101,29 @@ def demo_model_dir(name: str, tmp_root: Path) -> Path:
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`demo_model(name)`: demo_model_dir in this worker's base temp directory."""
     return lambda name: demo_model_dir(name, tmp_path_factory.getbasetemp())
+
+
+def demo_job_on_its_first_prompts(num_prompts: int, dataset: Path) -> dict[str, Any]:
+    """The `make run` demo's job spec (examples/calculator_tool/job.yaml, as a dict) training on the first
+    `num_prompts` prompts of its dataset only (written to `dataset`, cycled): an e2e learning test whose steps each
+    draw `num_prompts` groups then sees the same prompts every step, so its reward (or KL) by step measures the
+    policy, not which prompts a step drew (the prompts' spread is larger than a few steps' learning). Its timeouts
+    are raised far above what an episode needs."""
+    spec: dict[str, Any] = yaml.safe_load((REPO_ROOT / "examples" / "calculator_tool" / "job.yaml").read_text())
+    rows = (REPO_ROOT / spec["rollout"]["dataset"]["path"]).read_text().splitlines()[:num_prompts]
+    dataset.write_text("\n".join(rows) + "\n")
+    spec["rollout"]["dataset"]["path"] = str(dataset)
+    # Hang guards, not speed limits: on a loaded machine (CI: 4 test workers on 2 cores) the demo's 120 s episode
+    # and 5 s tool timeouts cut the long episodes (those that used the tool: the good ones) out of the batch.
+    spec["rollout"]["agent"]["timeout_s"] = 900
+    spec["rollout"]["agent"]["config"]["tool_timeout_s"] = 60
+    return spec
+
+
+@pytest.fixture
+def demo_job_on_first_prompts(tmp_path: Path) -> Callable[[int], dict[str, Any]]:
+    """`demo_job_on_first_prompts(n)`: demo_job_on_its_first_prompts with its dataset in the test's tmp_path."""
+    return lambda num_prompts: demo_job_on_its_first_prompts(num_prompts, tmp_path / "first-prompts.jsonl")
 
 
 @dataclass
@@ -275,6 +299,23 @@ class Stack:
         self._wait_ready(["session"])
 
     # --- jobs --------------------------------------------------------------------------------------------------
+    def shared_services(self, **changes: Any) -> Any:
+        """The `SharedServices` a controller would hand its backend for this stack (no router admin gRPC: engines
+        register over HTTP); `changes` sets other fields (e.g. `shared_pools`)."""
+        from miles.controller.backends.base import SharedServices
+
+        return SharedServices(
+            self.redis_url,
+            self.router_url,
+            "",
+            self.session_url,
+            self.operator_token,
+            self.buffer_address,
+            self.sandbox_address,
+            self.sandbox_http_url,
+            **changes,
+        )
+
     def register_job(
         self,
         job_id: str,

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from miles.common.jobspec.job import JobSpec
-from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.backends.base import JobProgress
 from miles.controller.backends.local import LocalJobBackend
 from miles.controller.shared import SharedServicesClient
 
@@ -111,21 +111,12 @@ def test_a_reward_function_scores_episodes_with_the_jobs_judge_pool(
     reward_dir.mkdir()
     (reward_dir / "judge_reward.py").write_text(textwrap.dedent(JUDGE_REWARD.format(calls=str(calls_path))))
     spec = judged_job(model, reward_dir)
-    services = SharedServices(
-        stack.redis_url,
-        stack.router_url,
-        "",
-        stack.session_url,
-        stack.operator_token,
-        stack.buffer_address,
-        stack.sandbox_address,
-        stack.sandbox_http_url,
-    )
+    services = stack.shared_services()
     backend = LocalJobBackend(services, tmp_path / "state", cwd=REPO_ROOT, restart_backoff_initial_s=0.2)
     registrar = SharedServicesClient(services, timeout_s=60)
     operator = {"authorization": f"Bearer {stack.operator_token}"}
 
-    async def scenario() -> tuple[JobProgress, dict[str, float], list[str], list[str]]:
+    async def scenario() -> tuple[JobProgress, dict[str, float], list[str], list[str], str]:
         try:
             await registrar.register(JOB_ID, spec)
             await backend.start(JOB_ID, spec)
@@ -140,19 +131,22 @@ def test_a_reward_function_scores_episodes_with_the_jobs_judge_pool(
             records = json.loads(judge.read_text())["processes"]
             judge_url = next(r["url"] for r in records if r["name"] == "judge-0")
             policy_url = next(r["url"] for r in records if r["name"] == "engine-0")
+            # The worker keeps judging until it is stopped: calls logged before the scrape finished at the engine
+            # (and deleted their session) before it, so only those are sure to be in its counters (and gone).
+            logged_before_scrape = calls_path.read_text()
             async with httpx.AsyncClient(timeout=30) as http:
                 texts = [(await http.get(f"{url}/metrics")).text for url in (judge_url, policy_url)]
                 params = {"job_id": f"{JOB_ID}--judge", "limit": 100}
                 live = await http.get(f"{stack.session_url}/v1/sessions", headers=operator, params=params)
             sessions = live.json().get("session_ids", []) if live.status_code == 200 else ["unreadable", live.text]
-            return progress, metrics, texts, sessions
+            return progress, metrics, texts, sessions, logged_before_scrape
         finally:
             await backend.stop(JOB_ID)
             await backend.close()
             await registrar.close()
 
     started = time.monotonic()
-    progress, metrics, (judge_metrics, policy_metrics), judge_sessions_left = asyncio.run(scenario())
+    progress, metrics, (judge_metrics, policy_metrics), judge_sessions_left, logged = asyncio.run(scenario())
     logs = {p.name: p.read_text(errors="replace")[-2000:] for p in backend.job_dir(JOB_ID).glob("*.log")}
     assert progress.phase == "succeeded", f"{progress}; logs: {json.dumps(logs, indent=1)}"
     calls = [json.loads(line) for line in calls_path.read_text().splitlines()]
@@ -160,13 +154,15 @@ def test_a_reward_function_scores_episodes_with_the_jobs_judge_pool(
     assert len(calls) >= 4, calls  # one group of 4 episodes at least
     assert len({call["session_id"] for call in calls}) == len(calls), "one judge session per call"
     assert all(call["completion_tokens"] > 0 for call in calls), calls
-    judged_tokens = sum(call["completion_tokens"] for call in calls)
+    judged_tokens = sum(json.loads(line)["completion_tokens"] for line in logged.splitlines())
     assert counter(judge_metrics, "miles_engine_generated_tokens_total") >= judged_tokens, judge_metrics[-2000:]
     scores = [call["score"] for call in calls]
     assert min(abs(metrics["reward_mean"] - sum(scores[i : i + 4]) / 4) for i in range(len(scores) - 3)) < 1e-6, (
         metrics,
         scores,
     )
-    # Calls still in flight when the job ended may hold a session; every finished one deleted its own.
-    assert not {call["session_id"] for call in calls} & set(judge_sessions_left), judge_sessions_left
+    # Calls still in flight when the job ended may hold a session (and be logged after the listing); every call
+    # logged before it had deleted its own.
+    deleted = {json.loads(line)["session_id"] for line in logged.splitlines()}
+    assert deleted and not deleted & set(judge_sessions_left), judge_sessions_left
     assert counter(policy_metrics, "miles_engine_generated_tokens_total") > 0

@@ -71,17 +71,8 @@ def pool_job(model: Path, seed: int) -> JobSpec:
 
 def services_with_pool(stack: Any, model: Path) -> SharedServices:
     pool = SharedPool(name=POOL_NAME, model_path=str(model), extra_args=["--deterministic"])
-    return SharedServices(
-        stack.redis_url,
-        stack.router_url,
-        "",
-        stack.session_url,
-        stack.operator_token,
-        stack.buffer_address,
-        stack.sandbox_address,
-        stack.sandbox_http_url,
-        shared_pools=(pool,),
-    )
+    services: SharedServices = stack.shared_services(shared_pools=(pool,))
+    return services
 
 
 async def run_both(

@@ -66,22 +66,24 @@ class Sandbox:
         await self.http.aclose()
 
 
-async def calculator(sandbox: Sandbox, arguments: str) -> tuple[bool, str]:
-    """(valid call, tool output)."""
+async def calculator(sandbox: Sandbox, arguments: str, timeout_s: float = 5.0) -> tuple[bool, str]:
+    """(valid call, tool output); `timeout_s` bounds the sandboxed evaluation."""
     try:
         expression = json.loads(arguments)["expression"]
     except (ValueError, KeyError, TypeError):
         return False, 'error: arguments must be JSON like {"expression": "1 + 2"}'
     if not isinstance(expression, str) or not EXPRESSION_RE.match(expression):
         return False, "error: only digits, spaces and + - * / ( ) are allowed"
-    exit_code, output = await sandbox.run(["python3", "-c", CALCULATOR], stdin=expression, timeout_s=5.0)
+    exit_code, output = await sandbox.run(["python3", "-c", CALCULATOR], stdin=expression, timeout_s=timeout_s)
     return exit_code == 0, output if exit_code == 0 else f"error: {output.splitlines()[-1] if output else exit_code}"
 
 
 async def agent(
     base_url: str, prompt: dict[str, Any], request_kwargs: dict[str, Any], metadata: dict[str, Any]
 ) -> dict[str, Any]:
-    max_turns = int(metadata.get("agent_config", {}).get("max_turns", 4))
+    config = metadata.get("agent_config", {})
+    max_turns = int(config.get("max_turns", 4))
+    tool_timeout_s = float(config.get("tool_timeout_s", 5.0))  # a loaded machine (CI) starts sandboxes slowly
     client = AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=3)
     sandbox = Sandbox(metadata.get("sandbox_url"), metadata["job_id"], metadata.get("sandbox_token", ""))
     messages: list[dict[str, Any]] = list(prompt["messages"])
@@ -98,7 +100,7 @@ async def agent(
             if message.tool_calls:
                 for call in message.tool_calls:
                     num_calls += 1
-                    valid, output = await calculator(sandbox, call.function.arguments)
+                    valid, output = await calculator(sandbox, call.function.arguments, tool_timeout_s)
                     num_valid_calls += valid
                     tool_results.append(output)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
