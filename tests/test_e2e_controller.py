@@ -237,6 +237,7 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 120)
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # two jobs and a controller restart: about two minutes of the 2-core make test
 def test_jobs_through_the_rest_api_survive_a_controller_crash(stack: Any, controller: Controller) -> None:
     num_steps_a = 8
     # B (long) first, A (short) once B runs: started together on a loaded machine, A could finish its 8 steps

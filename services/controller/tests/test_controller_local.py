@@ -227,6 +227,7 @@ def assert_all_gone(pids: dict[str, int]) -> None:
         assert proc_start_time(pid) is None, f"{name} (pid {pid}) still runs"
 
 
+@pytest.mark.slow  # a real job through adoption, a restart and a resize: about 90 s of the 2-core make test
 def test_local_job_trains_adopts_restarts_resizes_and_stops(
     shared: Shared, tmp_path: Path, loop: asyncio.AbstractEventLoop
 ) -> None:
