@@ -15,6 +15,8 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - {from: weight-sync-origin, to: rollout-router, port: http}
 - {from: controller, to: rollout-router, port: http}
 - {from: controller, to: rollout-router, port: admin}
+# The barrier of train.mode sync reads the engines' version (GET /v1/weight_version).
+- {from: rollout-worker, to: rollout-router, port: http}
 - {from: rollout-worker, to: buffer, port: grpc}
 - {from: trainer, to: buffer, port: grpc}
 - {from: controller, to: buffer, port: grpc}

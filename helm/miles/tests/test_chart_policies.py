@@ -31,6 +31,7 @@ DESIGNED_FLOWS = {
     ("weight-sync-origin", "rollout-router", "http"),
     ("controller", "rollout-router", "http"),
     ("controller", "rollout-router", "admin"),
+    ("rollout-worker", "rollout-router", "http"),  # train.mode sync: the barrier reads the engines' version
     ("rollout-worker", "buffer", "grpc"),
     ("trainer", "buffer", "grpc"),
     ("controller", "buffer", "grpc"),

@@ -398,3 +398,32 @@ async def test_a_job_with_an_environment_gets_its_server_and_its_workers_its_url
     assert "MILES_ROLLOUT_ENVIRONMENT_URL" not in {
         e["name"] for e in plain_workers["spec"]["template"]["spec"]["containers"][0]["env"]
     }
+
+
+async def test_workers_of_a_sync_job_load_the_barrier_and_the_routers_url(
+    job_templates: dict[str, str], controller_kit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.mode sync: the seam controller -> chart -> worker gives the barrier its batch size, the equal-reward
+    rule of the trainer's dynamic sampling and the router to read the version from; an async job has no barrier."""
+    from miles.common.settings import load_settings
+    from miles.rollout.settings import RolloutSettings
+
+    def worker_settings(objects: list[dict[str, Any]], name: str) -> RolloutSettings:
+        (owner,) = [o for o in objects if o["kind"] == "ConfigMap"]
+        (workers,) = [o for o in _of_component(objects, "rollout-worker") if o["kind"] == "Deployment"]
+        config = tmp_path / f"{name}.json"
+        config.write_text(owner["data"]["rollout.json"])
+        for env in workers["spec"]["template"]["spec"]["containers"][0]["env"]:
+            if env["name"].startswith("MILES_ROLLOUT_") and "value" in env:
+                monkeypatch.setenv(env["name"], env["value"])
+        monkeypatch.setenv("MILES_ROLLOUT_CONFIG_FILE", str(config))
+        return load_settings(RolloutSettings)
+
+    async with fake_cluster(job_templates) as (api, _, backend):
+        sync_spec = _spec(controller_kit, train={"mode": "sync", "batch_size_groups": 3, "num_steps": 3})
+        await backend.start("jk8ssync0001", sync_spec)
+        await backend.start("jk8ssync0002", _spec(controller_kit))
+        synced = worker_settings(api.of_job("jk8ssync0001"), "sync")
+        assert (synced.sync_batch_groups, synced.sync_drop_equal_rewards) == (3, True)
+        assert synced.router_url.startswith("http://") and synced.sync_pool == ""
+        assert worker_settings(api.of_job("jk8ssync0002"), "async").sync_batch_groups == 0

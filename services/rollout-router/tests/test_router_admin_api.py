@@ -166,3 +166,28 @@ async def test_grpc_admin_service(engines: Any, start_router: Any) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.DrainEngine(router_pb2.DrainEngineRequest(pool="job", url=engine.url))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_weight_version_answers_the_lowest_version_an_available_engine_serves(
+    engines: Any, start_router: Any
+) -> None:
+    old, new = await engines(2)
+    old.weight_version, new.weight_version = 3, 4
+    async with start_router() as router:
+        empty = (await router.client.get("/v1/weight_version", params={"pool": "job-a"})).json()
+        assert empty == {
+            "pool": "job-a",
+            "min_weight_version": None,
+            "max_weight_version": None,
+            "num_available_engines": 0,
+        }
+        for engine in (old, new):
+            await router.client.post("/admin/v1/engines", json={"pool": "job-a", "url": engine.url})
+        both = (await router.client.get("/v1/weight_version", params={"pool": "job-a"})).json()
+        assert (both["min_weight_version"], both["max_weight_version"], both["num_available_engines"]) == (3, 4, 2)
+        # A drained engine (being updated) takes no requests: what it serves does not hold anyone back.
+        await router.client.post("/admin/v1/engines/drain", json={"pool": "job-a", "url": old.url})
+        drained = (await router.client.get("/v1/weight_version", params={"pool": "job-a"})).json()
+        assert (drained["min_weight_version"], drained["num_available_engines"]) == (4, 1)
+        other = (await router.client.get("/v1/weight_version", params={"pool": "job-b"})).json()
+        assert other["num_available_engines"] == 0

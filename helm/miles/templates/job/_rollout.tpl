@@ -48,6 +48,9 @@ spec:
                 secretKeyRef:
                   name: {{ include "miles.secretName" . }}
                   key: session-operator-token
+            # Read-only: the barrier of train.mode sync waits on the engines' version (GET /v1/weight_version).
+            - name: MILES_ROLLOUT_ROUTER_URL
+              value: {{ include "miles.job.sharedAddress" (dict "root" . "key" "rolloutRouter" "kind" "http") | quote }}
             - name: MILES_ROLLOUT_BUFFER_ADDRESS
               value: {{ include "miles.job.sharedAddress" (dict "root" . "key" "buffer" "kind" "grpc") | quote }}
             {{- if .Values.sandboxGateway.enabled }}

@@ -121,6 +121,15 @@ class RouterAdmin:
         pool = self.registry.pools.get(pool_name)
         return pool.snapshots() if pool is not None else []
 
+    def served_versions(self, pool_name: str = "") -> list[int | None]:
+        """The weight version of each engine of the pool that takes requests now (None: not known yet); [] for a
+        pool with none (or no such pool: a job's pool appears with its first engine)."""
+        pool = self.registry.pools.get(_pool_name(pool_name, self.settings))
+        if pool is None:
+            return []
+        now_s = pool.clock()
+        return [engine.weight_version for engine in pool.engines.values() if engine.is_available(now_s)]
+
     def stats(self, pool_name: str = "") -> PoolStatsSnapshot:
         pool: EnginePool = self.registry.existing(_pool_name(pool_name, self.settings))
         return pool.stats()

@@ -6,6 +6,10 @@ headers (less hop-by-hop ones) and body come back unchanged. Router decisions th
 503, version 409, backpressure 429 + Retry-After, invalid routing header 400) use the shared JSON error body
 `{"error": {"type", "code", "message", ...}}`. Any other path is 404.
 
+`GET /v1/weight_version?pool=` (read-only, no auth like the data plane) answers the weight versions the pool's
+available engines serve: a barrier-synchronous rollout worker waits on it for the next version before starting a
+batch (miles.rollout.barrier).
+
 Admin mirror of RouterAdminService under /admin/v1/ (JSON, field names as in the proto; `state` and `source`
 as lower-case names). Every admin route needs `Authorization: Bearer <admin_token>` when the router has one (401
 without a token, 403 with another); the data plane, /healthz, /readyz and /metrics never do. What each route
@@ -107,7 +111,35 @@ def data_plane_router(service: RouterService) -> APIRouter:
     async def completions(request: Request) -> Response:
         return await proxy(request, ROUTE_COMPLETIONS)
 
+    @router.get("/v1/weight_version", summary="Weight versions the pool's available engines serve")
+    async def weight_version(
+        pool: Annotated[str, Query(description='"" = the default pool')] = "",
+    ) -> PoolWeightVersion:
+        return PoolWeightVersion.of(pool, service.admin.served_versions(pool))
+
     return router
+
+
+class PoolWeightVersion(BaseModel):
+    pool: str
+    min_weight_version: int | None
+    """Lowest version among the available engines: every request is served at this version or newer. null when
+    no engine is available or one's version is not known yet."""
+    max_weight_version: int | None
+    """Highest known version among them (null when none is known)."""
+    num_available_engines: int
+    """Engines taking requests now (healthy, not drained, not paused, circuit closed)."""
+
+    @classmethod
+    def of(cls, pool: str, versions: list[int | None]) -> PoolWeightVersion:
+        known = [version for version in versions if version is not None]
+        complete = bool(versions) and len(known) == len(versions)
+        return cls(
+            pool=pool,
+            min_weight_version=min(known) if complete else None,
+            max_weight_version=max(known) if known else None,
+            num_available_engines=len(versions),
+        )
 
 
 # --- admin mirror -------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from miles.buffer.client import BufferClient
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.rollout import pools
+from miles.rollout.barrier import SyncBarrier
 from miles.rollout.cursor import DatasetCursor
 from miles.rollout.dataset import Dataset
 from miles.rollout.episode import EpisodeRunner
@@ -140,6 +141,18 @@ class RolloutWorker:
         evaluation = None
         if settings.evaluation is not None and settings.evaluation_enabled:
             evaluation = build_eval_loop(settings, settings.evaluation, spec, source, redis_client, metrics)
+        barrier = None
+        if settings.sync_batch_groups:
+            barrier = SyncBarrier.through_router(
+                redis_client,
+                key_prefix=settings.key_prefix,
+                job_id=job_id,
+                batch_size_groups=settings.sync_batch_groups,
+                router_url=settings.router_url,
+                pool=settings.sync_pool or job_id,
+                metrics=metrics,
+                drop_equal_rewards=settings.sync_drop_equal_rewards,
+            )
         scheduler = RolloutScheduler(
             spec=spec,
             job_id=job_id,
@@ -153,6 +166,7 @@ class RolloutWorker:
             requeued=requeued,
             requeue_poll_interval_s=settings.requeue_poll_interval_s,
             reap_orphans=reap_orphans,
+            barrier=barrier,
         )
         return cls(
             settings,
@@ -212,6 +226,8 @@ class RolloutWorker:
         if self.runner.teacher is not None:
             await self.runner.teacher.close()
         await self.source.close()
+        if self.scheduler.barrier is not None:
+            await self.scheduler.barrier.close()
         await self.sessions.close()
         await self.buffer.close()
         if self.sandbox is not None:

@@ -78,6 +78,12 @@ class RolloutMetrics:
             ["cause"],
         )
         self.environment_up = metrics.gauge("environment_up", "1 while the job's environment server answers /healthz")
+        self.sync_barrier_wait_s = metrics.counter(
+            "sync_barrier_wait_seconds", "train.mode sync: seconds prompts waited at the barrier for the next version"
+        )
+        self.sync_batch_version = metrics.gauge(
+            "sync_batch_version", "train.mode sync: weight version of the batch last admitted into"
+        )
         self.eval = EvalMetrics(metrics)
         """Evaluation per weight version (`miles.rollout.eval_loop`); exported idle too, for the dashboards."""
 

@@ -11,6 +11,9 @@ A group whose every episode failed because the session server was unreachable is
 back to the cursor undecided and new episodes wait (5 s, doubling up to 60 s while it lasts), so an outage
 pauses the rollout instead of using up prompts.
 
+With a `SyncBarrier` (`train.mode: sync`), a claimed prompt starts only once it has a place in the batch of the
+live weight version (miles.rollout.barrier); a group that is filtered or retried gives its place back.
+
 When the cursor has nothing left (every epoch handed out) the scheduler keeps polling it, because leases of a
 dead worker and requeued prompts can still come back; `exhausted` is true while it finds nothing and has
 nothing in flight.
@@ -31,6 +34,7 @@ from redis.exceptions import RedisError
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.rollout import groups
 from miles.rollout import samples as sample_ops
+from miles.rollout.barrier import SyncBarrier
 from miles.rollout.cursor import Claim, DatasetCursor
 from miles.rollout.dataset import Dataset, PromptRef
 from miles.rollout.episode import EpisodeOutcome, EpisodeTask
@@ -85,6 +89,7 @@ class RolloutScheduler:
         idle_poll_s: float = 1.0,
         reap_orphans: ReapFn | None = None,
         outage_backoff_s: tuple[float, float] = OUTAGE_BACKOFF_S,
+        barrier: SyncBarrier | None = None,
     ) -> None:
         self.spec = spec
         self.job_id = job_id
@@ -100,6 +105,7 @@ class RolloutScheduler:
         self.idle_poll_s = idle_poll_s
         self.reap_orphans = reap_orphans
         self.outage_backoff_s = outage_backoff_s
+        self.barrier = barrier
         self.max_live_episodes = spec.concurrency.resolved_max_live_episodes
         self._slots = asyncio.Semaphore(self.max_live_episodes)
         self._starting: _OpenGroup | None = None
@@ -170,8 +176,11 @@ class RolloutScheduler:
                     await self.reap_orphans(claim.seq)
                 self.exhausted = False
                 self.metrics.dataset_exhausted.set(0)
-                self._starting = self._open_group(claim)
-                return self._starting
+                group = self._open_group(claim)  # open first: the heartbeat renews its lease while it waits
+                if self.barrier is not None:
+                    await self.barrier.admit(claim.seq)
+                self._starting = group
+                return group
             self.exhausted = not self._open
             self.metrics.dataset_exhausted.set(1 if self.exhausted else 0)
             await asyncio.sleep(self.idle_poll_s)
@@ -260,11 +269,15 @@ class RolloutScheduler:
     async def _decide(self, group: _OpenGroup) -> None:
         outcomes = [group.outcomes[index] for index in sorted(group.outcomes)]
         samples = [sample for outcome in outcomes for sample in outcome.samples]
-        reason = groups.filter_reason(samples, self.spec.group_filters)
+        filters = self.spec.group_filters
+        if self.barrier is not None and self.barrier.drop_equal_rewards:
+            filters = filters.model_copy(update={"drop_equal_rewards": True})
+        reason = groups.filter_reason(samples, filters)
         if reason == "all_aborted" and all(o.reason in INFRASTRUCTURE_REASONS for o in outcomes):
             self.metrics.groups.labels(outcome="retried_unavailable").inc()
             self._note_outage(outcomes)
             await self.cursor.retry(group.claim.seq)
+            await self._give_back(group.claim.seq)
             self._forget(group)
             return
         if reason is None:
@@ -278,12 +291,19 @@ class RolloutScheduler:
                 prompt=group.prompt,
             )
             await self.pusher.push(built)
+            if self.barrier is not None:
+                self.barrier.forget(group.claim.seq)
         else:
             self.metrics.groups.labels(outcome=f"filtered_{reason}").inc()
+            await self._give_back(group.claim.seq)
         await self._complete(group.claim.seq)
         self._forget(group)
         self.num_groups_finished += 1
         self.metrics.prompts_completed.inc()
+
+    async def _give_back(self, seq: int) -> None:
+        if self.barrier is not None:
+            await self.barrier.give_back(seq)
 
     async def _complete(self, seq: int) -> None:
         """Marks seq decided, retrying while Redis is unreachable (its lease keeps it ours meanwhile)."""

@@ -76,6 +76,19 @@ class RolloutSettings(ServiceSettings):
     the teacher's logprobs of its response tokens (`miles.rollout.teacher`). "" = no distillation. Set by the
     controller from `train.distillation`."""
 
+    sync_batch_groups: int = Field(default=0, ge=0)
+    """`train.mode: sync` (barrier-synchronous): groups started per weight version, the trainer's
+    batch_size_groups; no new group starts until the job's engines serve the next version
+    (miles.rollout.barrier). 0 = no barrier (async). Set by the controller."""
+
+    sync_drop_equal_rewards: bool = False
+    """With the barrier: groups whose trainable rewards are all equal (within each role) are not pushed and give
+    their place back, because the trainer would discard them (dynamic sampling) and wait for a batch the barrier
+    never completes. Set by the controller."""
+
+    sync_pool: str = ""
+    """Router pool whose engines' version the barrier waits on ("" = the job id, the job's own pool)."""
+
     session_request_timeout_s: float = Field(default=120.0, gt=0)
     """Timeout of one session-server call (create, samples, delete)."""
 
@@ -132,6 +145,8 @@ class RolloutSettings(ServiceSettings):
     def _job_needs_section(self) -> Self:
         if self.job_id and self.rollout is None:
             raise ValueError("a job_id needs its rollout section (`rollout` in MILES_ROLLOUT_CONFIG_FILE)")
+        if self.sync_batch_groups and not self.router_url:
+            raise ValueError("sync_batch_groups needs router_url (the barrier reads the engines' version there)")
         if self.teacher_pool and not self.router_url:
             raise ValueError("teacher_pool needs router_url (the teacher is scored through the rollout router)")
         return self

@@ -84,10 +84,8 @@ class Admission:
 
     @property
     def discards_zero_signal(self) -> bool:
-        """Dynamic sampling, but never with distillation (the teacher's signal is per token, whatever the rewards)
-        nor with `gae` (the critic's values give a group of equal rewards advantages too)."""
-        per_token = self.train.distillation is not None or self.train.loss.advantage_estimator == "gae"
-        return self.train.dynamic_sampling and self.train.loss.kind == "policy_gradient" and not per_token
+        """TrainSpec.discards_zero_signal (the rollout barrier of sync mode applies the same rule)."""
+        return self.train.discards_zero_signal
 
     def recently_committed(self, group_id: str) -> bool:
         return any(group_id in ids for ids in self.recent_commits)

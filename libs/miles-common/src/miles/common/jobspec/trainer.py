@@ -361,5 +361,12 @@ class TrainConfig(Section):
         return []
 
     @property
+    def discards_zero_signal(self) -> bool:
+        """Dynamic sampling in force: never with distillation (the teacher's signal is per token, whatever the
+        rewards) nor with `gae` (the critic's values give a group of equal rewards advantages too)."""
+        per_token = self.distillation is not None or self.loss.advantage_estimator == "gae"
+        return self.dynamic_sampling and self.loss.kind == "policy_gradient" and not per_token
+
+    @property
     def effective_max_staleness(self) -> int:
         return 0 if self.mode == "sync" else self.max_staleness

@@ -183,3 +183,19 @@ class JobBackend(Protocol):
     async def close(self) -> None:
         """Release the backend's own connections (per-job resources keep running)."""
         ...
+
+
+def sync_batch_groups(spec: JobSpec) -> int:
+    """The rollout workers' barrier (train.mode sync): one batch per version of the job's own engines. A job on a
+    shared LoRA pool has no engine version of its own to wait on: no barrier (the trainer still takes only
+    staleness-0 groups)."""
+    if spec.train.mode != "sync" or spec.resources.engines.shared_pool is not None:
+        return 0
+    return spec.train.batch_size_groups
+
+
+def barrier_settings(spec: JobSpec) -> dict[str, int | bool]:
+    """The rollout workers' barrier settings: groups per version, and whether equal-reward groups do not count
+    (the trainer discards them under dynamic sampling, so the batch needs others in their place)."""
+    groups = sync_batch_groups(spec)
+    return {"sync_batch_groups": groups, "sync_drop_equal_rewards": bool(groups) and spec.train.discards_zero_signal}

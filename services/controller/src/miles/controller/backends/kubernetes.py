@@ -48,7 +48,7 @@ from kubernetes.client.exceptions import ApiException
 from miles.common.errors import FailedPreconditionError, InvalidArgumentError, MilesError, UnavailableError
 from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
-from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.backends.base import JobProgress, SharedServices, barrier_settings
 from miles.controller.backends.kubernetes_limits import kubernetes_problem
 from miles.controller.backends.kubernetes_shared_pool import (
     check_pool_declared,
@@ -109,7 +109,11 @@ def spec_files(spec: JobSpec) -> dict[str, dict[str, Any]]:
             "backend": spec.resources.trainer.backend,
             "publish": publish,
         },
-        "rollout.json": {"rollout": spec.rollout.model_dump(mode="json"), "evaluation": spec_json["evaluation"]},
+        "rollout.json": {
+            "rollout": spec.rollout.model_dump(mode="json"),
+            "evaluation": spec_json["evaluation"],
+            **barrier_settings(spec),
+        },
         "weightsync.json": {"pause_mode": sync.pause_mode},
     }
 

@@ -32,7 +32,7 @@ from miles.common.jobspec.job import JobSpec
 from miles.common.jobspec.pools import inference_pool_router_name
 from miles.common.ports import free_port
 from miles.common.spawn import SettingValue, console_script, settings_env
-from miles.controller.backends.base import PlatformTokens, SharedServices
+from miles.controller.backends.base import PlatformTokens, SharedServices, barrier_settings
 from miles.controller.backends.local_processes import ProcessRecord
 from miles.controller.job_templates import names_flag
 from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, engines_record_routing, read_model_routing
@@ -200,6 +200,7 @@ def worker_record(job_dir: Path, job_id: str, spec: JobSpec, shared: SharedServi
         "inference_pools": {pool.name: inference_pool_router_name(job_id, pool.name) for pool in spec.inference_pools},
         "router_url": shared.router_url,
         "teacher_pool": teacher_router_pool(job_id, spec),
+        **barrier_settings(spec),
         "buffer_address": shared.buffer_address,
         "sandbox_address": shared.sandbox_address,
         "sandbox_http_url": shared.sandbox_http_url,

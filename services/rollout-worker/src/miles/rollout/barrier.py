@@ -1,0 +1,181 @@
+"""The barrier-synchronous rollout of `train.mode: sync`: exactly one batch per weight version, then wait.
+
+The classic synchronous RL loop, as the baseline users compare asynchronous training against: while the engines
+serve version v, the job's workers start groups for v until `batch_size_groups` of them are admitted; then no
+new group starts until every available engine of the job's pool serves a newer version (the trainer trained on
+the batch and its weights are loaded). Nothing generated is thrown away: every admitted group is generated at v
+and trained at staleness 0. A group the filters drop (`group_filters`, equal rewards) or that could not run
+(session server down) gives its place back, so a replacement is admitted and the batch still fills. Under the trainer's
+dynamic sampling (the default), a group whose rewards are all equal is such a filtered group: the trainer would
+discard it and wait for a batch the barrier never completes.
+
+Admission is shared by all of the job's workers through one Redis set per version (`sync:<v>`, one Lua
+script): a seq already in the set is admitted again (a dead worker's leased prompt, reclaimed by another, keeps
+its place), otherwise it is added while the set holds fewer than `batch_size_groups`. A claimed prompt waits
+for admission inside its lease (the scheduler's heartbeat renews it).
+
+Which version is live comes from the rollout router (`GET /v1/weight_version?pool=<job pool>`: the lowest
+version among the pool's available engines). The router learns a new version when weight-sync undrains an
+updated engine (pause_mode drain, the default) or at its next version poll (`version_poll_interval_s`, 2 s)
+otherwise.
+
+Limits: a job on a shared LoRA pool has no engine version of its own (adapter versions): its workers run
+without the barrier and `sync` then means the trainer takes only staleness-0 groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from miles.rollout.metrics import RolloutMetrics
+
+log = logging.getLogger(__name__)
+
+LiveVersionFn = Callable[[], Awaitable[int | None]]
+"""The version every available engine of the job's pool serves (the lowest), None while unknown."""
+KEY_TTL_S = 86_400
+"""How long a version's admission set is kept after its last change (a version lasts one trainer step)."""
+
+_ADMIT = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  return 1
+end
+if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('SADD', KEYS[1], ARGV[1])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+  return 1
+end
+return 0
+"""
+
+
+class SyncBarrier:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str,
+        job_id: str,
+        batch_size_groups: int,
+        live_version: LiveVersionFn,
+        metrics: RolloutMetrics,
+        poll_interval_s: float = 0.1,
+        http_client: httpx.AsyncClient | None = None,
+        drop_equal_rewards: bool = False,
+    ) -> None:
+        """`http_client`: the client `live_version` uses, closed with the barrier. `drop_equal_rewards`: groups
+        of equal rewards do not count (the trainer's dynamic sampling would discard them)."""
+        if batch_size_groups < 1:
+            raise ValueError("batch_size_groups must be >= 1")
+        self._client = client
+        self._base = f"{key_prefix}:{{{job_id}}}:sync"
+        self.batch_size_groups = batch_size_groups
+        self._live_version = live_version
+        self._metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self._admit = client.register_script(_ADMIT)
+        self._admitted: dict[int, int] = {}
+        """seq -> the version it was admitted for (to give the place back)."""
+        self._http_client = http_client
+        self.drop_equal_rewards = drop_equal_rewards
+
+    @classmethod
+    def through_router(
+        cls,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str,
+        job_id: str,
+        batch_size_groups: int,
+        router_url: str,
+        pool: str,
+        metrics: RolloutMetrics,
+        drop_equal_rewards: bool = False,
+    ) -> SyncBarrier:
+        http_client = httpx.AsyncClient(timeout=10.0)
+        return cls(
+            client,
+            key_prefix=key_prefix,
+            job_id=job_id,
+            batch_size_groups=batch_size_groups,
+            live_version=router_live_version(http_client, router_url, pool),
+            metrics=metrics,
+            http_client=http_client,
+            drop_equal_rewards=drop_equal_rewards,
+        )
+
+    async def close(self) -> None:
+        if self._http_client is not None:
+            await self._http_client.aclose()
+
+    async def admit(self, seq: int) -> int:
+        """Waits until `seq` has a place in the batch of the live version (one given back, or the next version's);
+        returns that version."""
+        waited_since: float | None = None
+        while True:
+            version = await self._wait_for_version()
+            args = [seq, self.batch_size_groups, KEY_TTL_S]
+            if await _retrying(functools.partial(self._admit, keys=[f"{self._base}:{version}"], args=args)):
+                break
+            waited_since = waited_since or time.monotonic()
+            await asyncio.sleep(self.poll_interval_s)
+        if waited_since is not None:
+            self._metrics.sync_barrier_wait_s.inc(time.monotonic() - waited_since)
+        self._admitted[seq] = version
+        self._metrics.sync_batch_version.set(version)
+        return version
+
+    async def give_back(self, seq: int) -> None:
+        """`seq`'s group will not reach the trainer (filtered, or retried later): its place goes to another."""
+        version = self._admitted.pop(seq, None)
+        if version is not None:  # retried: a place never given back would leave the batch short forever
+            await _retrying(lambda: self._client.srem(f"{self._base}:{version}", seq))
+
+    def forget(self, seq: int) -> None:
+        """`seq`'s group was pushed: it keeps its place; nothing more to remember here."""
+        self._admitted.pop(seq, None)
+
+    async def _wait_for_version(self) -> int:
+        while True:
+            try:
+                version = await self._live_version()
+            except (httpx.HTTPError, ValueError) as exc:  # the router restarting: keep waiting
+                log.warning("could not read the live weight version", extra={"error": str(exc)})
+                version = None
+            if version is not None:
+                return version
+            await asyncio.sleep(self.poll_interval_s)
+
+
+async def _retrying(call: Callable[[], Awaitable[Any]]) -> Any:
+    """`call()`, retried with backoff while Redis is unreachable."""
+    delay_s = 0.1
+    while True:
+        try:
+            return await call()
+        except RedisError:
+            log.warning("barrier call failed (Redis); retrying", exc_info=True)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 5.0)
+
+
+def router_live_version(client: httpx.AsyncClient, router_url: str, pool: str) -> LiveVersionFn:
+    """The live version of `pool` as the rollout router sees it (`GET /v1/weight_version`)."""
+    url = f"{router_url.rstrip('/')}/v1/weight_version"
+
+    async def live_version() -> int | None:
+        response = await client.get(url, params={"pool": pool})
+        response.raise_for_status()
+        version = response.json().get("min_weight_version")
+        return None if version is None else int(version)
+
+    return live_version

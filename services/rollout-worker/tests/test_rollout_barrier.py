@@ -1,0 +1,179 @@
+"""The barrier of `train.mode: sync` over a real Redis and a real buffer subprocess, with scripted episodes and a
+live weight version the test moves: two workers together start exactly one batch per version and nothing more
+until the version moves; a group the filters drop (or that the trainer's dynamic sampling would discard) gives its
+place to another; a prompt reclaimed from a dead worker keeps its place."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from miles.buffer.client import BufferClient
+from miles.common.jobspec.rollout import RolloutSpec
+from miles.common.telemetry import Metrics
+from miles.proto.common.v1 import common_pb2
+from miles.rollout.barrier import SyncBarrier
+from miles.rollout.cursor import DatasetCursor
+from miles.rollout.dataset import load_dataset
+from miles.rollout.episode import EpisodeOutcome, EpisodeTask
+from miles.rollout.metrics import RolloutMetrics
+from miles.rollout.pusher import GroupPusher
+from miles.rollout.scheduler import RolloutScheduler
+
+pytestmark = pytest.mark.integration
+
+
+class Versions:
+    """The engines' live version, as the router would answer it; episodes record the version they ran at."""
+
+    def __init__(self) -> None:
+        self.live = 0
+
+    async def __call__(self) -> int | None:
+        return self.live
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def buffer(services: Any) -> AsyncIterator[BufferClient]:
+    client = BufferClient(services.buffer_address)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def job_id(request: pytest.FixtureRequest) -> str:
+    return "barrier-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:80]
+
+
+def barrier(redis_client: aioredis.Redis, job_id: str, versions: Versions, **kw: Any) -> SyncBarrier:
+    metrics = RolloutMetrics(Metrics("rollout"))
+    return SyncBarrier(
+        redis_client, key_prefix="test:rollout", job_id=job_id, live_version=versions, metrics=metrics, **kw
+    )
+
+
+class Scheduled:
+    def __init__(self, redis_client: aioredis.Redis, buffer: BufferClient, job_id: str, versions: Versions) -> None:
+        self.redis, self.buffer, self.job_id, self.versions = redis_client, buffer, job_id, versions
+        self.started_at: list[tuple[int, int, int]] = []
+        """(prompt index, sample index, live version when the episode started)."""
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def episodes(self, make_sample: Callable[..., common_pb2.Sample], equal_rewards: set[int]) -> Any:
+        async def run(task: EpisodeTask) -> EpisodeOutcome:
+            self.started_at.append((task.prompt_index, task.sample_index, self.versions.live))
+            await asyncio.sleep(0.05)
+            reward = 0.0 if task.prompt_index in equal_rewards else float(task.sample_index)
+            sample = make_sample(reward=reward)
+            sample.group_id, sample.episode_id = task.group_id, task.episode_id
+            return EpisodeOutcome([sample], sample.status, "ok")
+
+        return run
+
+    def start(self, spec: RolloutSpec, worker_id: str, run: Any, sync_barrier: SyncBarrier) -> RolloutScheduler:
+        dataset = load_dataset(spec.dataset)
+        metrics = RolloutMetrics(Metrics("rollout"))
+        scheduler = RolloutScheduler(
+            spec=spec,
+            job_id=self.job_id,
+            worker_id=worker_id,
+            dataset=dataset,
+            cursor=DatasetCursor(self.redis, key_prefix="test:rollout", job_id=self.job_id, num_seqs=dataset.num_seqs),
+            run_episode=run,
+            pusher=GroupPusher(self.buffer, job_id=self.job_id, metrics=metrics, push_wait_s=1.0),
+            metrics=metrics,
+            lease_s=30,
+            idle_poll_s=0.05,
+            barrier=sync_barrier,
+        )
+        self.tasks.append(asyncio.create_task(scheduler.run()))
+        return scheduler
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def pushed(self, expected: int) -> None:
+        """Waits until `expected` groups were pushed, then checks that no more come while the version stays."""
+        while (await self.buffer.stats(self.job_id)).pushed_total < expected:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # ten barrier polls: a worker that ignored the barrier would have started more
+        assert (await self.buffer.stats(self.job_id)).pushed_total == expected
+
+
+async def test_two_workers_start_exactly_one_batch_per_version(
+    make_spec: Callable[..., RolloutSpec],
+    make_sample: Any,
+    redis_client: aioredis.Redis,
+    buffer: BufferClient,
+    job_id: str,
+) -> None:
+    await buffer.configure_job(job_id)
+    versions = Versions()
+    spec = make_spec(num_prompts=10, n_samples_per_prompt=2, concurrency={"max_live_episodes": 4})
+    run = Scheduled(redis_client, buffer, job_id, versions)
+    episodes = run.episodes(make_sample, equal_rewards=set())
+    try:
+        for worker_id in ("w1", "w2"):
+            run.start(spec, worker_id, episodes, barrier(redis_client, job_id, versions, batch_size_groups=3))
+        await run.pushed(3)
+        assert len(run.started_at) == 6 and {version for *_, version in run.started_at} == {0}
+        versions.live = 1
+        await run.pushed(6)
+        assert len(run.started_at) == 12 and [version for *_, version in run.started_at[6:]] == [1] * 6
+    finally:
+        await run.stop()
+
+
+async def test_filtered_groups_give_their_place_to_others(
+    make_spec: Callable[..., RolloutSpec],
+    make_sample: Any,
+    redis_client: aioredis.Redis,
+    buffer: BufferClient,
+    job_id: str,
+) -> None:
+    await buffer.configure_job(job_id)
+    versions = Versions()
+    spec = make_spec(num_prompts=8, n_samples_per_prompt=2, concurrency={"max_live_episodes": 2})
+    first_two = set(load_dataset(spec.dataset).order(0)[:2])
+    run = Scheduled(redis_client, buffer, job_id, versions)
+    sync_barrier = barrier(redis_client, job_id, versions, batch_size_groups=2, drop_equal_rewards=True)
+    scheduler = run.start(spec, "w1", run.episodes(make_sample, equal_rewards=first_two), sync_barrier)
+    try:
+        await run.pushed(2)  # the first two prompts had no signal: two others took their places at version 0
+        assert {prompt for prompt, *_ in run.started_at} >= first_two and len(run.started_at) == 8
+        assert {version for *_, version in run.started_at} == {0}
+        exported = scheduler.metrics.registry.exposition().decode()
+        assert 'miles_rollout_groups_total{outcome="filtered_equal_rewards"} 2.0' in exported
+    finally:
+        await run.stop()
+
+
+async def test_a_reclaimed_prompt_keeps_its_place_and_others_wait(redis_client: aioredis.Redis, job_id: str) -> None:
+    versions = Versions()
+    one = barrier(redis_client, job_id, versions, batch_size_groups=2)
+    assert [await one.admit(seq) for seq in (0, 1)] == [0, 0]
+    another_worker = barrier(redis_client, job_id, versions, batch_size_groups=2, poll_interval_s=0.01)
+    assert await another_worker.admit(1) == 0  # seq 1's worker died; the prompt is reclaimed in the same batch
+    waiting = asyncio.create_task(another_worker.admit(2))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await one.give_back(0)  # filtered: the place is free at the same version
+    assert await asyncio.wait_for(waiting, 5) == 0
+    third = asyncio.create_task(another_worker.admit(3))
+    await asyncio.sleep(0.2)
+    assert not third.done()
+    versions.live = 1
+    assert await asyncio.wait_for(third, 5) == 1
