@@ -10,9 +10,14 @@ real trainer trains on what it samples. The task is long-tailed: each episode ma
 `turns` drawn per episode from a Pareto distribution (alpha 1.1, capped at 24; see _async_agent.py), so a few
 episodes are much longer than the rest.
 
+`sync` is barrier-synchronous (the rollout workers start exactly one batch per weight version and wait for the
+next: miles.rollout.barrier), the baseline users compare asynchronous training against; `async` has no barrier
+and trains groups up to 2 versions old (older ones are dropped as stale, counted).
+
 Per mode: one job of NUM_STEPS steps; samples/s = trained samples between step TIMED_FROM_STEP and the last step
 over the time between them (start-up and its backlog excluded); engine idle fraction = share of 0.25 s polls of
-the engine's `num_running_reqs` gauge that read 0 over the same window. Prints `async_vs_sync=<ratio>` and writes
+the engine's `num_running_reqs` gauge that read 0 over the same window; the buffer's count of groups dropped as
+stale and the staleness distribution of the groups trained. Prints `async_vs_sync=<ratio>` and writes
 bench/results/async.json.
 """
 
@@ -52,12 +57,15 @@ PREFILL_COST_S = 0.0002
 MAX_TOKENS_PER_TURN = 32
 EOS_PROBABILITY = 0.03
 """About 21 tokens per reply: a turn is one prefill and ~21 decode steps."""
-MAX_LIVE_EPISODES = 8
-"""One step's worth of episodes in flight: a sync step then waits for the longest of its 8 (the long tail), async
-does not. With more in flight, a sync job trains on whichever fresh groups finish first (biased to short episodes)
-and is no longer the barrier-synchronous baseline."""
+MAX_LIVE_EPISODES = {"sync": 8, "async": 32}
+"""Episodes in flight per mode. The sync job's barrier admits exactly one step's worth (2 groups x 4 = 8 episodes)
+per weight version whatever this limit, so its step waits for the longest of its 8 (the long tail). The async
+job keeps 32 in flight, enough to keep the engine busy (idle ~5 %) while the trainer steps; at 8 it measured
+1.40 samples/s with ~4.8 requests running on average (the rollout side's CPU on this 2-core box is the limit)."""
 NUM_ROWS = 200
 MODES = ("sync", "async")
+ASYNC_MAX_LIVE_EPISODES_ENV = "MILES_BENCH_ASYNC_MAX_LIVE_EPISODES"
+"""Optional override of the async job's episodes in flight (the sync job's barrier admits one step's worth)."""
 
 
 def write_dataset(path: Path, *, num_rows: int = NUM_ROWS) -> None:
@@ -65,6 +73,13 @@ def write_dataset(path: Path, *, num_rows: int = NUM_ROWS) -> None:
         for index in range(num_rows):
             messages = [{"role": "user", "content": f"Task {index}: think it through step by step."}]
             handle.write(json.dumps({"prompt": messages, "label": "0"}) + "\n")
+
+
+def max_live_episodes(mode: str) -> int:
+    import os
+
+    override = os.environ.get(ASYNC_MAX_LIVE_EPISODES_ENV) if mode == "async" else None
+    return int(override) if override else MAX_LIVE_EPISODES[mode]
 
 
 def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
@@ -82,7 +97,7 @@ def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
             "n_samples_per_prompt": SAMPLES_PER_PROMPT,
             "request_kwargs": {"temperature": 1.0, "max_tokens": MAX_TOKENS_PER_TURN},
             "max_seq_len": 2048,
-            "concurrency": {"max_live_episodes": MAX_LIVE_EPISODES},
+            "concurrency": {"max_live_episodes": max_live_episodes(mode)},
         },
         "train": {
             "mode": mode,
@@ -111,10 +126,15 @@ def job_spec(model_dir: Path, dataset: Path, mode: str) -> dict[str, Any]:
 
 
 class IdlePoller:
-    """Polls the job's engine `num_running_reqs` every 0.25 s (engine URL from the local backend's state file)."""
+    """Polls the job's engine `num_running_reqs` every 0.25 s (engine URL from the local backend's state file), and
+    the buffer's per-job staleness counters (the last values seen: the buffer forgets a job when it ends)."""
 
-    def __init__(self, job_dir: Path) -> None:
+    def __init__(self, job_dir: Path, buffer_metrics_url: str, job_id: str) -> None:
         self.job_dir = job_dir
+        self.buffer_metrics_url = buffer_metrics_url
+        self.job_id = job_id
+        self.buffer: dict[str, float] = {}
+        """Last seen buffer series of the job: dropped stale groups, pulled groups per staleness bucket."""
         self.samples: list[tuple[float, float]] = []
         """(monotonic time, the engine's num_running_reqs)."""
         self._stop = threading.Event()
@@ -152,6 +172,30 @@ class IdlePoller:
                 match = re.search(r"^\S*num_running_reqs(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
                 if match:
                     self.samples.append((time.monotonic(), float(match.group(1))))
+                self._read_buffer(client)
+
+    def _read_buffer(self, client: httpx.Client) -> None:
+        try:
+            text = client.get(self.buffer_metrics_url).text
+        except httpx.HTTPError:
+            return
+        job = re.escape(self.job_id)
+        for name in ("dropped_stale_groups_total", "pulled_groups_total"):
+            match = re.search(rf"^miles_buffer_{name}\{{job_id=\"{job}\"\}} (\S+)$", text, re.MULTILINE)
+            if match:
+                self.buffer[name] = float(match.group(1))
+        bucket = rf'^miles_buffer_pulled_group_staleness_steps_bucket\{{job_id="{job}",le="([^"]+)"\}} (\S+)$'
+        for le, count in re.findall(bucket, text, re.MULTILINE):
+            self.buffer[f"staleness_le_{le}"] = float(count)
+
+    def staleness(self) -> dict[str, Any]:
+        """Groups dropped as stale and the staleness distribution of the groups trained (cumulative buckets)."""
+        buckets = {k.removeprefix("staleness_le_"): int(v) for k, v in self.buffer.items() if k.startswith("staleness")}
+        return {
+            "dropped_stale_groups": int(self.buffer.get("dropped_stale_groups_total", 0)),
+            "pulled_groups": int(self.buffer.get("pulled_groups_total", 0)),
+            "pulled_staleness_cumulative": buckets,
+        }
 
     def idle_fraction(self, start: float, end: float) -> float | None:
         window = [running == 0.0 for at, running in self.samples if start <= at <= end]
@@ -162,11 +206,11 @@ class IdlePoller:
         return round(sum(window) / len(window), 2) if window else None
 
 
-def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any]) -> dict[str, Any]:
+def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any], buffer_metrics_url: str) -> dict[str, Any]:
     job = client.post("/v1/jobs", json=spec)
     job.raise_for_status()
     job_id = job.json()["job_id"]
-    poller = IdlePoller(layout.controller_state_dir / "jobs" / job_id).start()
+    poller = IdlePoller(layout.controller_state_dir / "jobs" / job_id, buffer_metrics_url, job_id).start()
     step_seen_at: dict[int, float] = {}
     final = "?"
     try:
@@ -191,6 +235,7 @@ def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any]) -> dict[
         "samples_per_s": round(samples / window_s, 3),
         "engine_idle_fraction": poller.idle_fraction(step_seen_at[first], step_seen_at[last]),
         "engine_mean_running_requests": poller.mean_running(step_seen_at[first], step_seen_at[last]),
+        **poller.staleness(),
     }
 
 
@@ -203,12 +248,14 @@ def main() -> None:
     turns = [num_turns(p, s) for p in range(NUM_ROWS) for s in range(SAMPLES_PER_PROMPT)]
     layout = Layout(scratch / "home")
     state = start_platform(layout)
+    buffer_metrics_url = state.services["buffer"].ready_url.removesuffix("/readyz") + "/metrics"
     results: dict[str, Any] = {}
     try:
         with httpx.Client(base_url=state.controller_url, timeout=60, trust_env=False) as client:
             for mode in MODES:
                 print(f"{mode}: {NUM_STEPS} steps", flush=True)
-                results[mode] = run_job(client, layout, job_spec(model_dir, scratch / "data.jsonl", mode))
+                spec = job_spec(model_dir, scratch / "data.jsonl", mode)
+                results[mode] = run_job(client, layout, spec, buffer_metrics_url)
     finally:
         stop_platform(layout)
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
@@ -219,7 +266,7 @@ def main() -> None:
         "task": f"turns per episode ~ min({MAX_TURNS}, Pareto({ALPHA})): mean {mean_turns:.2f}, max {max(turns)}",
         "steps": NUM_STEPS,
         "timed_from_step": TIMED_FROM_STEP,
-        "max_live_episodes": MAX_LIVE_EPISODES,
+        "max_live_episodes": {mode: max_live_episodes(mode) for mode in MODES},
         "groups_per_step": GROUPS_PER_STEP,
         "samples_per_prompt": SAMPLES_PER_PROMPT,
         **results,
@@ -233,6 +280,7 @@ def main() -> None:
         print(
             f"{mode}: samples_per_s={r['samples_per_s']} engine_idle_fraction={r['engine_idle_fraction']}"
             f" engine_mean_running_requests={r['engine_mean_running_requests']}"
+            f" dropped_stale_groups={r['dropped_stale_groups']} of pulled_groups={r['pulled_groups']}"
         )
     print(f"async_vs_sync={ratio:.2f}")
 
