@@ -22,7 +22,7 @@ from miles.rollout.dataset import load_dataset
 from miles.rollout.episode import EpisodeOutcome, EpisodeTask
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.pusher import GroupPusher
-from miles.rollout.scheduler import RolloutScheduler
+from miles.rollout.scheduler import RolloutScheduler, cancel_and_wait
 
 pytestmark = pytest.mark.integration
 
@@ -101,9 +101,7 @@ class Scheduled:
         return scheduler
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_and_wait(self.tasks, "schedulers", wait_s=30)
 
     async def pushed(self, expected: int) -> None:
         """Waits until `expected` groups were pushed, then checks that no more come while the version stays."""

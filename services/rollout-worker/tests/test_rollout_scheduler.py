@@ -21,7 +21,7 @@ from miles.rollout.dataset import load_dataset
 from miles.rollout.episode import EpisodeOutcome, EpisodeTask
 from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.pusher import GroupPusher
-from miles.rollout.scheduler import RolloutScheduler
+from miles.rollout.scheduler import RolloutScheduler, cancel_and_wait
 
 pytestmark = pytest.mark.integration
 
@@ -108,9 +108,7 @@ async def start_scheduler(redis_client: aioredis.Redis, buffer: BufferClient, jo
         return scheduler, task
 
     yield start
-    for task in running:
-        task.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
+    await cancel_and_wait(running, "schedulers", wait_s=30)  # as the worker's stop does
 
 
 async def wait_for(condition: Callable[[], Awaitable[bool]]) -> None:

@@ -28,13 +28,15 @@ from miles.rollout.metrics import RolloutMetrics
 from miles.rollout.pusher import GroupPusher
 from miles.rollout.rewards import Scorer
 from miles.rollout.sandbox import SandboxClient, sandbox_metadata
-from miles.rollout.scheduler import RolloutScheduler
+from miles.rollout.scheduler import RolloutScheduler, cancel_and_wait
 from miles.rollout.sessions import SessionClient
 from miles.rollout.settings import RolloutSettings
 from miles.rollout.sweeper import OrphanSweeper
 from miles.rollout.teacher import TeacherScorer
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 30.0
+"""How long a stop waits for the scheduler's own cleanup before cancelling it again."""
 
 
 class RolloutWorker:
@@ -216,10 +218,9 @@ class RolloutWorker:
     async def stop(self) -> None:
         """Cancels the scheduler (in-flight episodes delete their sessions, leases are handed back), closes."""
         running = (self._task, self._sweeper_task, self._environment_task, self._eval_task)
-        tasks = [task for task in running if task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # The scheduler's own cleanup is bounded (STOP_WAIT_S twice, then RELEASE_TIMEOUT_S); beyond that a lost
+        # cancellation is retried once rather than hanging the stop.
+        await cancel_and_wait([task for task in running if task is not None], "worker tasks", STOP_TIMEOUT_S)
         await self.runner.drain()
         if self.evaluation is not None:
             await self.evaluation.close()

@@ -347,13 +347,24 @@ def _cancel_requested() -> bool:
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Task[Any]], what: str) -> None:
-    for task in tasks:
-        task.cancel()
-    if not tasks:
-        return
-    done, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
-    for task in done:
-        if not task.cancelled():
-            task.exception()  # retrieved: a task that failed while stopping is no news
+    await cancel_and_wait(tasks, what, STOP_WAIT_S)
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[Any]], what: str, wait_s: float, attempts: int = 2) -> None:
+    """Cancels `tasks` and waits up to `wait_s` for them; what still runs then is cancelled again (up to `attempts`
+    times in all): a cancellation can be lost on its way (a library turning it into an error a retry loop swallows,
+    a timeout expiring at the same moment), and one lost cancellation must not hang a stop. Re-cancelling only
+    after a whole `wait_s` leaves a task's own bounded cleanup alone. A task still running at the end is left
+    behind, logged."""
+    pending = set(tasks)
+    for _ in range(attempts):
+        if not pending:
+            break
+        for task in pending:
+            task.cancel()
+        done, pending = await asyncio.wait(pending, timeout=wait_s)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: a task that failed while stopping is no news
     if pending:
         log.error("tasks ignored their cancellation and are left behind", extra={"what": what, "num": len(pending)})
