@@ -175,3 +175,26 @@ async def test_a_reclaimed_prompt_keeps_its_place_and_others_wait(redis_client: 
     assert not third.done()
     versions.live = 1
     assert await asyncio.wait_for(third, 5) == 1
+
+
+async def test_a_starving_trainer_gets_one_more_place_and_a_fed_one_none(
+    redis_client: aioredis.Redis, job_id: str
+) -> None:
+    versions = Versions()
+    queue_empty = [False]
+
+    async def starving() -> bool:
+        return queue_empty[0]
+
+    full = barrier(redis_client, job_id, versions, batch_size_groups=1, poll_interval_s=0.01)
+    assert await full.admit(0) == 0
+    waiting = barrier(
+        redis_client, job_id, versions, batch_size_groups=1, poll_interval_s=0.01, starving=starving, refill_after_s=0.1
+    )
+    second = asyncio.create_task(waiting.admit(1))
+    await asyncio.sleep(0.5)  # five refill checks: the trainer still had groups to pull
+    assert not second.done()
+    queue_empty[0] = True  # the trainer rejected the batch's group and waits for one it will never get
+    assert await asyncio.wait_for(second, 5) == 0
+    exported = waiting._metrics.registry.exposition().decode()
+    assert "miles_rollout_sync_barrier_refills_total 1.0" in exported

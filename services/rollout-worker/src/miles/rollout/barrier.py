@@ -4,10 +4,13 @@ The classic synchronous RL loop, as the baseline users compare asynchronous trai
 serve version v, the job's workers start groups for v until `batch_size_groups` of them are admitted; then no
 new group starts until every available engine of the job's pool serves a newer version (the trainer trained on
 the batch and its weights are loaded). Nothing generated is thrown away: every admitted group is generated at v
-and trained at staleness 0. A group the filters drop (`group_filters`, equal rewards) or that could not run
-(session server down) gives its place back, so a replacement is admitted and the batch still fills. Under the trainer's
-dynamic sampling (the default), a group whose rewards are all equal is such a filtered group: the trainer would
-discard it and wait for a batch the barrier never completes.
+and trained at staleness 0. A group the filters drop (`group_filters`), one that could not run (session server
+down) and one the buffer already had (a duplicate push after a crash) give their place back, so a replacement is
+admitted and the batch still fills. Under the trainer's dynamic sampling (the default), a group whose rewards are
+all equal is such a filtered group: the trainer would discard it and wait for a batch the barrier never completes.
+A batch can still leave the trainer short (it rejects a malformed group): when a prompt has waited
+REFILL_AFTER_S at one version and the job's buffer queue is empty, one more place is opened (counted in
+`miles_rollout_sync_barrier_refills_total`), so a job never stops at a version for good.
 
 Admission is shared by all of the job's workers through one Redis set per version (`sync:<v>`, one Lua
 script): a seq already in the set is admitted again (a dead worker's leased prompt, reclaimed by another, keeps
@@ -45,11 +48,17 @@ LiveVersionFn = Callable[[], Awaitable[int | None]]
 KEY_TTL_S = 86_400
 """How long a version's admission set is kept after its last change (a version lasts one trainer step)."""
 
+StarvingFn = Callable[[], Awaitable[bool]]
+"""Whether the trainer has nothing left to pull (the job's buffer queue is empty)."""
+REFILL_AFTER_S = 30.0
+"""How long a full batch may leave the trainer starving at one version before one more place is opened."""
+
 _ADMIT = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
   return 1
 end
-if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then
+local limit = tonumber(ARGV[2]) + tonumber(redis.call('GET', KEYS[2]) or '0')
+if redis.call('SCARD', KEYS[1]) < limit then
   redis.call('SADD', KEYS[1], ARGV[1])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
   return 1
@@ -71,9 +80,12 @@ class SyncBarrier:
         poll_interval_s: float = 0.1,
         http_client: httpx.AsyncClient | None = None,
         drop_equal_rewards: bool = False,
+        starving: StarvingFn | None = None,
+        refill_after_s: float = REFILL_AFTER_S,
     ) -> None:
         """`http_client`: the client `live_version` uses, closed with the barrier. `drop_equal_rewards`: groups
-        of equal rewards do not count (the trainer's dynamic sampling would discard them)."""
+        of equal rewards do not count (the trainer's dynamic sampling would discard them). `starving`: asked when
+        a prompt has waited `refill_after_s` at one version; True opens one more place in that version's batch."""
         if batch_size_groups < 1:
             raise ValueError("batch_size_groups must be >= 1")
         self._client = client
@@ -87,6 +99,8 @@ class SyncBarrier:
         """seq -> the version it was admitted for (to give the place back)."""
         self._http_client = http_client
         self.drop_equal_rewards = drop_equal_rewards
+        self._starving = starving
+        self.refill_after_s = refill_after_s
 
     @classmethod
     def through_router(
@@ -100,6 +114,7 @@ class SyncBarrier:
         pool: str,
         metrics: RolloutMetrics,
         drop_equal_rewards: bool = False,
+        starving: StarvingFn | None = None,
     ) -> SyncBarrier:
         http_client = httpx.AsyncClient(timeout=10.0)
         return cls(
@@ -111,6 +126,7 @@ class SyncBarrier:
             metrics=metrics,
             http_client=http_client,
             drop_equal_rewards=drop_equal_rewards,
+            starving=starving,
         )
 
     async def close(self) -> None:
@@ -121,12 +137,17 @@ class SyncBarrier:
         """Waits until `seq` has a place in the batch of the live version (one given back, or the next version's);
         returns that version."""
         waited_since: float | None = None
+        refill_at = time.monotonic() + self.refill_after_s
         while True:
             version = await self._wait_for_version()
+            keys = [f"{self._base}:{version}", f"{self._base}:{version}:extra"]
             args = [seq, self.batch_size_groups, KEY_TTL_S]
-            if await _retrying(functools.partial(self._admit, keys=[f"{self._base}:{version}"], args=args)):
+            if await _retrying(functools.partial(self._admit, keys=keys, args=args)):
                 break
             waited_since = waited_since or time.monotonic()
+            if time.monotonic() >= refill_at:
+                refill_at = time.monotonic() + self.refill_after_s
+                await self._refill_if_starving(version, keys[1])
             await asyncio.sleep(self.poll_interval_s)
         if waited_since is not None:
             self._metrics.sync_barrier_wait_s.inc(time.monotonic() - waited_since)
@@ -139,6 +160,17 @@ class SyncBarrier:
         version = self._admitted.pop(seq, None)
         if version is not None:  # retried: a place never given back would leave the batch short forever
             await _retrying(lambda: self._client.srem(f"{self._base}:{version}", seq))
+
+    async def _refill_if_starving(self, version: int, extra_key: str) -> None:
+        """A batch whose every place is taken but that the trainer never received whole (a group it rejected, a
+        rule of its own that discards groups) would stop the job at this version for good: when the trainer has
+        nothing left to pull, one more place is opened."""
+        if self._starving is None or not await self._starving():
+            return
+        await _retrying(functools.partial(self._client.incr, extra_key))
+        await _retrying(functools.partial(self._client.expire, extra_key, KEY_TTL_S))
+        self._metrics.sync_barrier_refills.inc()
+        log.warning("the trainer starves at a full batch; one more group admitted", extra={"version": version})
 
     def forget(self, seq: int) -> None:
         """`seq`'s group was pushed: it keeps its place; nothing more to remember here."""

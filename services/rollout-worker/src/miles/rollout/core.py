@@ -9,6 +9,7 @@ scheduler as a task; if it ever dies unexpectedly, `failed` is set and the proce
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -37,6 +38,15 @@ from miles.rollout.teacher import TeacherScorer
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 """How long a stop waits for the scheduler's own cleanup before cancelling it again."""
+
+
+async def buffer_queue_empty(buffer: BufferClient, job_id: str) -> bool:
+    """Whether the trainer has nothing left to pull; False when the buffer cannot be asked."""
+    try:
+        return (await buffer.stats(job_id)).queued_groups == 0
+    except Exception:  # the buffer restarting: the barrier asks again later
+        log.warning("could not read the job's buffer queue", exc_info=True)
+        return False
 
 
 class RolloutWorker:
@@ -154,6 +164,7 @@ class RolloutWorker:
                 pool=settings.sync_pool or job_id,
                 metrics=metrics,
                 drop_equal_rewards=settings.sync_drop_equal_rewards,
+                starving=functools.partial(buffer_queue_empty, buffer, job_id),
             )
         scheduler = RolloutScheduler(
             spec=spec,

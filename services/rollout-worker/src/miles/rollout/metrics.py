@@ -81,6 +81,9 @@ class RolloutMetrics:
         self.sync_barrier_wait_s = metrics.counter(
             "sync_barrier_wait_seconds", "train.mode sync: seconds prompts waited at the barrier for the next version"
         )
+        self.sync_barrier_refills = metrics.counter(
+            "sync_barrier_refills", "train.mode sync: places opened beyond the batch because the trainer starved"
+        )
         self.sync_batch_version = metrics.gauge(
             "sync_batch_version", "train.mode sync: weight version of the batch last admitted into"
         )

@@ -290,9 +290,11 @@ class RolloutScheduler:
                 outcomes=outcomes,
                 prompt=group.prompt,
             )
-            await self.pusher.push(built)
-            if self.barrier is not None:
+            outcome = await self.pusher.push(built)
+            if self.barrier is not None and outcome == "queued":
                 self.barrier.forget(group.claim.seq)
+            else:  # a duplicate (pushed before a crash) or refused group adds nothing to the batch
+                await self._give_back(group.claim.seq)
         else:
             self.metrics.groups.labels(outcome=f"filtered_{reason}").inc()
             await self._give_back(group.claim.seq)
