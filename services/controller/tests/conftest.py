@@ -59,6 +59,8 @@ class FakeJob:
     rollout_workers: int = 0
     starts: int = 0
     auto_step: bool = True
+    step_finished_unix_ms: int = 0
+    """What the trainer's Status says of the current version's step (0: unknown)."""
 
 
 @dataclass
@@ -107,6 +109,7 @@ class FakeBackend:
             error=job.error,
             pools=pools,
             metrics=metrics,
+            step_finished_unix_ms=job.step_finished_unix_ms,
         )
 
     async def resize(self, job_id: str, spec: JobSpec, *, engines: int | None, rollout_workers: int | None) -> None:

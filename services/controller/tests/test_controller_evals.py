@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from miles.cli.evaluation import eval_lines
 from miles.common.contracts import evals as contract
+from miles.controller.evals import version_steps_key
 
 EVALUATION = {
     "datasets": [{"name": "held", "dataset": {"path": "examples/calculator_tool/data.jsonl"}, "limit": 4}],
@@ -52,8 +53,16 @@ async def test_scores_per_version_are_served_announced_and_shown(redis_url: str,
         for version, reward in ((5, 0.5), (0, 0.25)):
             await redis.hset(contract.evals_key(job_id), str(version), stored(version, reward).to_json())
         await redis.hset(contract.evals_key(job_id), "7", "not json")  # skipped, never a 500
-        body = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
+        backend.jobs[job_id].step, backend.jobs[job_id].step_finished_unix_ms = 5, 1_500  # the trainer's Status
+
+        for _ in range(1500):  # the supervisor records the step time at its next observe (every 0.05 s)
+            body = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
+            if body["evals"][1]["step_to_score_s"] is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert body["evals"][1]["step_to_score_s"] == 0.5  # scored at 2_000 ms, its step finished at 1_500
         assert [e["version"] for e in body["evals"]] == [0, 5]
+        assert body["evals"][0]["step_to_score_s"] is None  # version 0: no step the controller saw
         assert body["evals"][1]["datasets"]["held"] == {
             "mean_reward": 0.5,
             "pass_at_k": {"1": 0.5, "2": 1.0},
@@ -81,11 +90,16 @@ async def test_scores_per_version_are_served_announced_and_shown(redis_url: str,
         announced = await asyncio.wait_for(eval_events(), timeout=60)
         assert (await client.delete(f"/v1/jobs/{job_id}")).status_code == 204
         assert not await redis.exists(contract.evals_key(job_id))  # deleted with the job
+        assert not await redis.exists(version_steps_key(job_id))
     await redis.aclose()
     assert sorted(e["version"] for e in announced) == [0, 5, 10, 15]  # once each
     assert announced[0]["datasets"]["held"]["num_episodes"] == 8 and announced[2]["evaluator"] == "checkpoint"
+    assert [e["step_to_score_s"] for e in sorted(announced, key=lambda e: e["version"])][:2] == [None, 0.5]
     lines = eval_lines(body)
-    assert lines[1] == "  eval v5: held reward 0.500 pass@1 0.50 pass@2 1.00 (8 eps, 1 discarded); lag 1.0s"
+    assert lines[0] == "  eval v0: held reward 0.250 pass@1 0.25 pass@2 1.00 (8 eps, 1 discarded); lag 1.0s"
+    assert lines[1] == (
+        "  eval v5: held reward 0.500 pass@1 0.50 pass@2 1.00 (8 eps, 1 discarded); lag 1.0s, 0.5s after its step"
+    )
 
 
 async def record_externally(client: Any, redis: aioredis.Redis, job_id: str) -> None:

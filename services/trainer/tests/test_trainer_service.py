@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,10 @@ async def test_bad_groups_are_nacked_with_reason_counted_and_training_goes_on(
         pull_wait_s=0.5,
     )
     env["MILES_TRAINER_TRAIN__OPTIMIZER__LR"] = "1e-3"
+    started_unix_ms = int(time.time() * 1000)
     trainer = start_trainer(env).start()
     status = trainer.wait_for(lambda s: s.state == trainer_pb2.TRAINER_STATE_FINISHED)
+    assert started_unix_ms < status.last_step_finished_unix_ms <= int(time.time() * 1000)  # version 2's step
 
     assert (status.step, status.weight_version, status.checkpoint_step) == (2, 2, 2)
     assert status.groups_trained == 4 and status.groups_rejected == 4 and status.pending_groups == 0

@@ -192,7 +192,8 @@ def recorded_eval_body(
 
 def eval_lines(evals: dict[str, Any], *, last: int = 5) -> list[str]:
     """`miles status`: the job's `last` evaluated versions (GET /v1/jobs/{id}/evals), one line each: per dataset
-    the mean reward and pass@k, then the episodes discarded for running at another version and the lag; a score
+    the mean reward and pass@k, then the episodes discarded for running at another version, the lag from the
+    evaluator's sighting of the version and the time since the trainer's step that produced it; a score
     an external evaluator recorded names it."""
     lines = []
     for result in evals.get("evals", [])[-last:]:
@@ -210,5 +211,9 @@ def eval_lines(evals: dict[str, Any], *, last: int = 5) -> list[str]:
                 f"{name} reward {scored['mean_reward']:.3f} {passes} ({scored['num_episodes']} eps, "
                 f"{scored['num_discarded']} discarded)"
             )
-        lines.append(f"  eval v{result['version']}{by}: {'; '.join(parts)}; lag {result['lag_s']:.1f}s")
+        step_to_score = result.get("step_to_score_s")
+        lag = f"lag {result['lag_s']:.1f}s"
+        if step_to_score is not None:
+            lag += f", {step_to_score:.1f}s after its step"
+        lines.append(f"  eval v{result['version']}{by}: {'; '.join(parts)}; {lag}")
     return lines

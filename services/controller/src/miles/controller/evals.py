@@ -56,6 +56,12 @@ class VersionEvalView(BaseModel):
     scored_unix_ms: int
     seen_unix_ms: int = Field(description="When the evaluating worker first saw the version served")
     lag_s: float = Field(description="scored_unix_ms - seen_unix_ms, in seconds")
+    step_to_score_s: float | None = Field(
+        default=None,
+        description="scored_unix_ms minus when the trainer's step that produced the version finished, in seconds "
+        "(publish, weight update, the evaluation's wait and its episodes); null when the controller did not see "
+        "that step's time (a version trained before a controller or trainer restart)",
+    )
     datasets: dict[str, DatasetEvalView]
     evaluator: str = Field(
         default=contract.ENGINES_EVALUATOR,
@@ -64,13 +70,37 @@ class VersionEvalView(BaseModel):
     )
 
     @classmethod
-    def of(cls, result: contract.VersionEval) -> VersionEvalView:
+    def of(cls, result: contract.VersionEval, step_times_ms: dict[int, int] | None = None) -> VersionEvalView:
         return cls.model_validate(
             {
                 **result.__dict__,
                 "datasets": {name: d.__dict__ for name, d in result.datasets.items()},
+                "step_to_score_s": step_to_score_s(result, step_times_ms or {}),
             }
         )
+
+
+def step_to_score_s(result: contract.VersionEval, step_times_ms: dict[int, int]) -> float | None:
+    step_ms = step_times_ms.get(result.version)
+    if step_ms is None or result.status != "scored":
+        return None
+    return round((result.scored_unix_ms - step_ms) / 1000, 3)
+
+
+def version_steps_key(job_id: str) -> str:
+    """Hash version -> when the trainer's step that produced it finished (Unix ms), written by the controller as
+    it observes the trainer (the rollout side never learns it)."""
+    return f"{contract.evals_key(job_id)}:steps"
+
+
+async def record_version_step(redis: aioredis.Redis, job_id: str, version: int, finished_unix_ms: int) -> None:
+    """First write wins: a version's step happened once (a restarted trainer publishes under a new number)."""
+    await redis.hsetnx(version_steps_key(job_id), str(version), str(finished_unix_ms))
+
+
+async def read_version_steps(redis: aioredis.Redis, job_id: str) -> dict[int, int]:
+    raw = await _redis(redis.hgetall(version_steps_key(job_id)))
+    return {int(version): int(ms) for version, ms in raw.items()}
 
 
 class EvalList(BaseModel):
@@ -159,13 +189,13 @@ async def delete_evals(redis: aioredis.Redis, job_id: str) -> None:
     """Forget a deleted job's results, best effort (the job is gone already; a leftover hash is only memory).
     Claims expire by themselves."""
     try:
-        await redis.delete(contract.evals_key(job_id))
+        await redis.delete(contract.evals_key(job_id), version_steps_key(job_id))
     except (RedisError, OSError) as exc:
         log.warning("could not delete a deleted job's evaluations", extra={"job_id": job_id, "error": str(exc)})
 
 
-def eval_event(job_id: str, result: contract.VersionEval) -> dict[str, Any]:
-    """The `eval` event of a newly stored version (its datasets' mean reward and pass@k, and the lag)."""
+def eval_event(job_id: str, result: contract.VersionEval, step_times_ms: dict[int, int]) -> dict[str, Any]:
+    """The `eval` event of a newly stored version (its datasets' mean reward and pass@k, and the lags)."""
     return {
         "type": "eval",
         "job_id": job_id,
@@ -173,6 +203,7 @@ def eval_event(job_id: str, result: contract.VersionEval) -> dict[str, Any]:
         "status": result.status,
         "evaluator": result.evaluator,
         "lag_s": result.lag_s,
+        "step_to_score_s": step_to_score_s(result, step_times_ms),
         "datasets": {
             name: {"mean_reward": d.mean_reward, "pass_at_k": d.pass_at_k, "num_episodes": d.num_episodes}
             for name, d in result.datasets.items()
@@ -192,4 +223,5 @@ class EvalAnnouncer:
             return []
         fresh = [r for r in await read_evals(redis, job_id) if r.version not in self.announced]
         self.announced.update(r.version for r in fresh)
-        return [eval_event(job_id, r) for r in fresh]
+        step_times_ms = await read_version_steps(redis, job_id)
+        return [eval_event(job_id, r, step_times_ms) for r in fresh]

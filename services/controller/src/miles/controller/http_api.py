@@ -28,7 +28,14 @@ from miles.common.telemetry import Metrics
 from miles.controller.api_models import JobList, JobView, ResizeRequest
 from miles.controller.core import JobService
 from miles.controller.errors import MissingTokenError, WrongTokenError
-from miles.controller.evals import EvalList, RecordEvalRequest, VersionEvalView, read_evals, record_eval
+from miles.controller.evals import (
+    EvalList,
+    RecordEvalRequest,
+    VersionEvalView,
+    read_evals,
+    read_version_steps,
+    record_eval,
+)
 from miles.controller.jobs import JobState
 
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -192,10 +199,11 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
         record = await service.get(job_id)
         evaluation = record.spec.evaluation
         results = await read_evals(service.store.redis, job_id)
+        step_times_ms = await read_version_steps(service.store.redis, job_id)
         return EvalList(
             job_id=job_id,
             every_n_versions=None if evaluation is None else evaluation.every_n_versions,
-            evals=[VersionEvalView.of(result) for result in results],
+            evals=[VersionEvalView.of(result, step_times_ms) for result in results],
         )
 
     @router.post(
@@ -214,7 +222,8 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
     )
     async def post_eval(job_id: JobId, body: RecordEvalRequest) -> VersionEvalView:
         await service.get(job_id)
-        return VersionEvalView.of(await record_eval(service.store.redis, job_id, body))
+        result = await record_eval(service.store.redis, job_id, body)
+        return VersionEvalView.of(result, await read_version_steps(service.store.redis, job_id))
 
     @router.post(
         "/v1/jobs/{job_id}/cancel",

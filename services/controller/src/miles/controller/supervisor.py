@@ -27,7 +27,7 @@ from miles.common.aio import wait_event
 from miles.common.errors import MilesError
 from miles.controller.backends.base import JobBackend, JobProgress
 from miles.controller.errors import IllegalTransitionError, JobNotFoundError
-from miles.controller.evals import EvalAnnouncer
+from miles.controller.evals import EvalAnnouncer, record_version_step
 from miles.controller.health import MAX_REWARDS_KEPT, policy_reward
 from miles.controller.jobs import MAX_ERRORS_KEPT, JobRecord, JobState
 from miles.controller.metrics import ControllerMetrics
@@ -245,8 +245,20 @@ class Supervisor:
                 "metrics": metrics,
             }
         await self.store.update(record.job_id, fields, event)
+        await self._note_version_step(record.job_id, progress, loop)
         await self._announce_evals(record, loop)  # the job's own evaluation, or an external evaluator's
         await self._watch_for_stall(record, progress, loop)
+
+    async def _note_version_step(self, job_id: str, progress: JobProgress, loop: _JobLoopState) -> None:
+        """Remember when the step behind each new weight version finished (evaluations' step-to-score time); a
+        Redis hiccup is retried at the next observe."""
+        if not progress.step_finished_unix_ms or progress.weight_version == loop.step_time_version:
+            return
+        try:
+            await record_version_step(self.store.redis, job_id, progress.weight_version, progress.step_finished_unix_ms)
+            loop.step_time_version = progress.weight_version
+        except Exception as exc:
+            log.warning("recording a version's step time failed", extra={"job_id": job_id, "error": str(exc)})
 
     async def _announce_evals(self, record: JobRecord, loop: _JobLoopState) -> None:
         """An `eval` event per newly stored evaluation version (one HLEN per observation while nothing is new); a
@@ -328,6 +340,8 @@ class _JobLoopState:
         """When the step last changed (monotonic; 0: not yet observed running)."""
         self.step_interval_s = 0.0
         self.stalled = False
+        self.step_time_version = -1
+        """The last weight version whose step time was recorded."""
         self.evals = EvalAnnouncer()
         """Evaluation versions already announced as `eval` events."""
 

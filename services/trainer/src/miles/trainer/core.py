@@ -235,6 +235,11 @@ class Trainer:
         self._record_step(values, groups, assembled.num_samples, assembled.num_tokens)
         return True
 
+    @property
+    def step_finished_unix_ms(self) -> int:
+        """When the optimizer step that produced `weight_version` finished (0 before this process's first step)."""
+        return self._step_finished_unix_ms
+
     async def resume_publishing(self) -> None:
         """Publish the weights the trainer starts from (version 0 of a new job is its initial weights); after a
         crash, a version above the checkpoint published by the dead process makes this a rewind to a new number

@@ -48,6 +48,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             groups_trained=trainer.groups_trained,
             groups_rejected=trainer.groups_rejected,
             pending_groups=len(trainer.consumer.holdings.trained),
+            last_step_finished_unix_ms=trainer.step_finished_unix_ms,
         )
 
     async def Checkpoint(self, request: trainer_pb2.CheckpointRequest, context: Any) -> trainer_pb2.CheckpointResponse:

@@ -139,6 +139,9 @@ class JobProgress:
     """Latest weight version the trainer published."""
     error: str = ""
     """Why the job failed (phase `failed`), or the latest recoverable problem (e.g. a restarted process)."""
+    step_finished_unix_ms: int = 0
+    """When the step that produced `weight_version` finished (the trainer's Status; 0 when unknown): evaluation
+    scores count their step-to-score time from it."""
     pools: dict[str, int] = field(default_factory=dict)
     """Live replicas per pool: `engines`, `rollout_workers`, `trainer`, and `inference_engines` (ready engines of
     the job's inference pools, all together) when it has any."""

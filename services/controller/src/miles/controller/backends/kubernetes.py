@@ -331,16 +331,29 @@ class KubernetesJobBackend:
         status = await self._trainer_status(templates, job_id)
         metrics: dict[str, float] = {}
         step = weight_version = 0
+        finished_ms = int(status.last_step_finished_unix_ms) if status is not None else 0
         if status is not None:
             step, weight_version = int(status.step), int(status.weight_version)
             metrics = {key: float(value) for key, value in status.last_step_metrics.items()}
             if status.state == trainer_pb2.TRAINER_STATE_FINISHED:
-                return JobProgress("succeeded", step, weight_version, pools=pools, metrics=metrics)
+                return JobProgress(
+                    "succeeded", step, weight_version, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms
+                )
             if status.state == trainer_pb2.TRAINER_STATE_FAILED:
                 error = f"trainer failed: {status.error}"
-                return JobProgress("failed", step, weight_version, error, pools=pools, metrics=metrics)
+                return JobProgress(
+                    "failed",
+                    step,
+                    weight_version,
+                    error,
+                    pools=pools,
+                    metrics=metrics,
+                    step_finished_unix_ms=finished_ms,
+                )
         if problem:
-            return JobProgress("failed", step, weight_version, problem, pools=pools, metrics=metrics)
+            return JobProgress(
+                "failed", step, weight_version, problem, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms
+            )
         desired = {
             "engines": 0 if shared_pool is not None else spec.resources.engines.replicas,
             "rollout_workers": spec.resources.rollout_workers.replicas,
@@ -349,7 +362,7 @@ class KubernetesJobBackend:
         trainer_up = status is not None and status.state != trainer_pb2.TRAINER_STATE_STARTING
         all_ready = all(pools.get(pool, 0) >= size for pool, size in desired.items())
         phase = "running" if trainer_up or all_ready else "starting"
-        return JobProgress(phase, step, weight_version, pools=pools, metrics=metrics)  # type: ignore[arg-type]
+        return JobProgress(phase, step, weight_version, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms)  # type: ignore[arg-type]
 
     async def _pools(self, job_id: str) -> tuple[dict[str, int], str]:
         """Ready replicas per pool, and a reason when a workload gave up (progress deadline exceeded)."""

@@ -160,7 +160,16 @@ class LocalJobBackend:
             if not job.succeeded:
                 job.succeeded = True
                 job.save()
-        return JobProgress(phase, step=step, weight_version=version, error=error, pools=pools, metrics=metrics)
+        finished_ms = int(status.last_step_finished_unix_ms) if status is not None else 0
+        return JobProgress(
+            phase,
+            step=step,
+            weight_version=version,
+            error=error,
+            pools=pools,
+            metrics=metrics,
+            step_finished_unix_ms=finished_ms if status is not None and status.weight_version == version else 0,
+        )
 
     async def resize(self, job_id: str, spec: JobSpec, *, engines: int | None, rollout_workers: int | None) -> None:
         async with self._lock(job_id):
