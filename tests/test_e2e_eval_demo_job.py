@@ -9,8 +9,9 @@ Checked: while the job runs, `miles status` prints the scores of version 0; the 
 /v1/jobs/{id}/evals` holds version 0 scored (each of its 8 episodes either kept, every turn served at version 0, or
 discarded because the engines moved to version 1 during it: the job trains asynchronously) and version 5 (scored,
 or `missed` when the trainer outran it), nothing at the versions that are not due; the job's event stream carries
-an `eval` event. A run: v0 reward 0.00 over 6 kept episodes (2 discarded, lag 9.0 s), v5 reward 1.00 over 4 (4
-discarded, lag 7.0 s).
+an `eval` event; a scored version 5 reports its step-to-score time (from the trainer's step), at least its lag
+(from the worker's sighting). A run: v0 reward 0.00 over 6 kept episodes (2 discarded, lag 9.0 s), v5 reward 1.00
+over 4 (4 discarded, lag 7.0 s); another: v5 lag 7.8 s, 9.1 s after its step.
 
 About 2-3 minutes on 2 shared cores.
 """
@@ -116,5 +117,8 @@ def test_the_demo_job_is_scored_per_version_in_the_api_and_miles_status(
     # discarded, the others count; none is lost and none is scored at another version.
     assert baseline["num_episodes"] >= 1 and baseline["num_episodes"] + baseline["num_discarded"] == 8, baseline
     assert evals.get(5, {"status": "scored"})["status"] in ("scored", "missed")
+    assert evals[0]["step_to_score_s"] is None  # the initial weights: no trainer step made them
+    if evals.get(5, {}).get("status") == "scored":  # the trainer's step ended before any engine served version 5
+        assert evals[5]["step_to_score_s"] is not None and evals[5]["step_to_score_s"] >= evals[5]["lag_s"], evals[5]
     assert "eval v0: held reward" in status_output, status_output
     assert "event: eval" in events, events[-2000:]
