@@ -177,24 +177,44 @@ async def test_a_reclaimed_prompt_keeps_its_place_and_others_wait(redis_client: 
     assert await asyncio.wait_for(third, 5) == 1
 
 
-async def test_a_starving_trainer_gets_one_more_place_and_a_fed_one_none(
+async def test_each_group_the_trainer_discards_opens_one_place_once_for_all_workers(
     redis_client: aioredis.Redis, job_id: str
 ) -> None:
     versions = Versions()
-    queue_empty = [False]
+    discarded = [0]
 
-    async def starving() -> bool:
-        return queue_empty[0]
+    async def discarded_groups() -> int | None:
+        return discarded[0]
 
-    full = barrier(redis_client, job_id, versions, batch_size_groups=1, poll_interval_s=0.01)
+    def make() -> SyncBarrier:
+        return barrier(
+            redis_client,
+            job_id,
+            versions,
+            batch_size_groups=1,
+            poll_interval_s=0.01,
+            discarded=discarded_groups,
+            refill_check_s=0.05,
+        )
+
+    full, one, two = make(), make(), make()
+    await full.start()
     assert await full.admit(0) == 0
-    waiting = barrier(
-        redis_client, job_id, versions, batch_size_groups=1, poll_interval_s=0.01, starving=starving, refill_after_s=0.1
+    waiting = [asyncio.create_task(one.admit(1)), asyncio.create_task(two.admit(2))]
+    await asyncio.sleep(0.5)  # ten refill checks each: nothing was discarded, the batch is whole
+    assert not any(task.done() for task in waiting)
+    discarded[0] = 1  # the trainer discarded the batch's group (malformed) and waits for one it will never get
+    done, pending = await asyncio.wait(waiting, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    assert [task.result() for task in done] == [0]
+    await asyncio.sleep(0.5)
+    assert len(pending) == 1 and not pending.pop().done(), "one discard opens one place, not one per worker"
+    refills = sum(
+        float(line.split()[-1])
+        for b in (one, two)
+        for line in b._metrics.registry.exposition().decode().splitlines()
+        if line.startswith("miles_rollout_sync_barrier_refills_total ")
     )
-    second = asyncio.create_task(waiting.admit(1))
-    await asyncio.sleep(0.5)  # five refill checks: the trainer still had groups to pull
-    assert not second.done()
-    queue_empty[0] = True  # the trainer rejected the batch's group and waits for one it will never get
-    assert await asyncio.wait_for(second, 5) == 0
-    exported = waiting._metrics.registry.exposition().decode()
-    assert "miles_rollout_sync_barrier_refills_total 1.0" in exported
+    assert refills == 1.0
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

@@ -8,9 +8,12 @@ and trained at staleness 0. A group the filters drop (`group_filters`), one that
 down) and one the buffer already had (a duplicate push after a crash) give their place back, so a replacement is
 admitted and the batch still fills. Under the trainer's dynamic sampling (the default), a group whose rewards are
 all equal is such a filtered group: the trainer would discard it and wait for a batch the barrier never completes.
-A batch can still leave the trainer short (it rejects a malformed group): when a prompt has waited
-REFILL_AFTER_S at one version and the job's buffer queue is empty, one more place is opened (counted in
-`miles_rollout_sync_barrier_refills_total`), so a job never stops at a version for good.
+A batch can still leave the trainer short: a group it discards after pulling it (a malformed one; with dynamic
+sampling, zero-signal groups the workers did not filter) never counts. The buffer counts those discards; for each
+new one a waiting worker sees, one more place opens at the live version (one Lua script, so that of several
+workers only one opens it; counted in `miles_rollout_sync_barrier_refills_total`), so a job never stops at a
+version for good. Groups the buffer drops as stale are not compensated: in a barrier job only a surplus group can
+be stale, and replacing it would make a surplus at every version.
 
 Admission is shared by all of the job's workers through one Redis set per version (`sync:<v>`, one Lua
 script): a seq already in the set is admitted again (a dead worker's leased prompt, reclaimed by another, keeps
@@ -48,10 +51,22 @@ LiveVersionFn = Callable[[], Awaitable[int | None]]
 KEY_TTL_S = 86_400
 """How long a version's admission set is kept after its last change (a version lasts one trainer step)."""
 
-StarvingFn = Callable[[], Awaitable[bool]]
-"""Whether the trainer has nothing left to pull (the job's buffer queue is empty)."""
-REFILL_AFTER_S = 30.0
-"""How long a full batch may leave the trainer starving at one version before one more place is opened."""
+DiscardedFn = Callable[[], Awaitable[int | None]]
+"""How many of the job's groups the trainer discarded after pulling them (the buffer's count); None: unknown now."""
+REFILL_CHECK_S = 1.0
+"""How often a waiting prompt asks the buffer for new discards."""
+
+_REFILL = """
+local seen = tonumber(redis.call('GET', KEYS[1]) or ARGV[1])
+local now = tonumber(ARGV[1])
+redis.call('SET', KEYS[1], now, 'EX', tonumber(ARGV[2]))
+if now <= seen then
+  return 0
+end
+redis.call('INCRBY', KEYS[2], now - seen)
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+return now - seen
+"""
 
 _ADMIT = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
@@ -80,12 +95,12 @@ class SyncBarrier:
         poll_interval_s: float = 0.1,
         http_client: httpx.AsyncClient | None = None,
         drop_equal_rewards: bool = False,
-        starving: StarvingFn | None = None,
-        refill_after_s: float = REFILL_AFTER_S,
+        discarded: DiscardedFn | None = None,
+        refill_check_s: float = REFILL_CHECK_S,
     ) -> None:
         """`http_client`: the client `live_version` uses, closed with the barrier. `drop_equal_rewards`: groups
-        of equal rewards do not count (the trainer's dynamic sampling would discard them). `starving`: asked when
-        a prompt has waited `refill_after_s` at one version; True opens one more place in that version's batch."""
+        of equal rewards do not count (the trainer's dynamic sampling would discard them). `discarded`: the
+        buffer's count of groups the trainer discarded; each new one opens a place (see the module docstring)."""
         if batch_size_groups < 1:
             raise ValueError("batch_size_groups must be >= 1")
         self._client = client
@@ -99,8 +114,9 @@ class SyncBarrier:
         """seq -> the version it was admitted for (to give the place back)."""
         self._http_client = http_client
         self.drop_equal_rewards = drop_equal_rewards
-        self._starving = starving
-        self.refill_after_s = refill_after_s
+        self._discarded = discarded
+        self.refill_check_s = refill_check_s
+        self._refill = client.register_script(_REFILL)
 
     @classmethod
     def through_router(
@@ -114,7 +130,7 @@ class SyncBarrier:
         pool: str,
         metrics: RolloutMetrics,
         drop_equal_rewards: bool = False,
-        starving: StarvingFn | None = None,
+        discarded: DiscardedFn | None = None,
     ) -> SyncBarrier:
         http_client = httpx.AsyncClient(timeout=10.0)
         return cls(
@@ -126,8 +142,15 @@ class SyncBarrier:
             metrics=metrics,
             http_client=http_client,
             drop_equal_rewards=drop_equal_rewards,
-            starving=starving,
+            discarded=discarded,
         )
+
+    async def start(self) -> None:
+        """Records the buffer's discard count the job starts from, unless a worker did before (a restart)."""
+        count = await self._discarded() if self._discarded is not None else None
+        if count is not None:
+            key = f"{self._base}:discarded"
+            await _retrying(functools.partial(self._client.set, key, count, nx=True, ex=KEY_TTL_S))
 
     async def close(self) -> None:
         if self._http_client is not None:
@@ -137,7 +160,7 @@ class SyncBarrier:
         """Waits until `seq` has a place in the batch of the live version (one given back, or the next version's);
         returns that version."""
         waited_since: float | None = None
-        refill_at = time.monotonic() + self.refill_after_s
+        refill_at = time.monotonic() + self.refill_check_s
         while True:
             version = await self._wait_for_version()
             keys = [f"{self._base}:{version}", f"{self._base}:{version}:extra"]
@@ -146,8 +169,8 @@ class SyncBarrier:
                 break
             waited_since = waited_since or time.monotonic()
             if time.monotonic() >= refill_at:
-                refill_at = time.monotonic() + self.refill_after_s
-                await self._refill_if_starving(version, keys[1])
+                refill_at = time.monotonic() + self.refill_check_s
+                await self._refill_discarded(version, keys[1])
             await asyncio.sleep(self.poll_interval_s)
         if waited_since is not None:
             self._metrics.sync_barrier_wait_s.inc(time.monotonic() - waited_since)
@@ -161,16 +184,16 @@ class SyncBarrier:
         if version is not None:  # retried: a place never given back would leave the batch short forever
             await _retrying(lambda: self._client.srem(f"{self._base}:{version}", seq))
 
-    async def _refill_if_starving(self, version: int, extra_key: str) -> None:
-        """A batch whose every place is taken but that the trainer never received whole (a group it rejected, a
-        rule of its own that discards groups) would stop the job at this version for good: when the trainer has
-        nothing left to pull, one more place is opened."""
-        if self._starving is None or not await self._starving():
+    async def _refill_discarded(self, version: int, extra_key: str) -> None:
+        """Opens one place at `version` per group the trainer discarded since any worker last looked."""
+        count = await self._discarded() if self._discarded is not None else None
+        if count is None:
             return
-        await _retrying(functools.partial(self._client.incr, extra_key))
-        await _retrying(functools.partial(self._client.expire, extra_key, KEY_TTL_S))
-        self._metrics.sync_barrier_refills.inc()
-        log.warning("the trainer starves at a full batch; one more group admitted", extra={"version": version})
+        keys = [f"{self._base}:discarded", extra_key]
+        opened = int(await _retrying(functools.partial(self._refill, keys=keys, args=[count, KEY_TTL_S])))
+        if opened > 0:
+            self._metrics.sync_barrier_refills.inc(opened)
+            log.info("places opened for groups the trainer discarded", extra={"version": version, "num": opened})
 
     def forget(self, seq: int) -> None:
         """`seq`'s group was pushed: it keeps its place; nothing more to remember here."""

@@ -40,13 +40,13 @@ STOP_TIMEOUT_S = 30.0
 """How long a stop waits for the scheduler's own cleanup before cancelling it again."""
 
 
-async def buffer_queue_empty(buffer: BufferClient, job_id: str) -> bool:
-    """Whether the trainer has nothing left to pull; False when the buffer cannot be asked."""
+async def groups_discarded(buffer: BufferClient, job_id: str) -> int | None:
+    """How many of the job's groups the trainer discarded after pulling them; None when the buffer cannot say."""
     try:
-        return (await buffer.stats(job_id)).queued_groups == 0
+        return int((await buffer.stats(job_id)).discarded_total)
     except Exception:  # the buffer restarting: the barrier asks again later
-        log.warning("could not read the job's buffer queue", exc_info=True)
-        return False
+        log.warning("could not read the job's buffer counters", exc_info=True)
+        return None
 
 
 class RolloutWorker:
@@ -164,7 +164,7 @@ class RolloutWorker:
                 pool=settings.sync_pool or job_id,
                 metrics=metrics,
                 drop_equal_rewards=settings.sync_drop_equal_rewards,
-                starving=functools.partial(buffer_queue_empty, buffer, job_id),
+                discarded=functools.partial(groups_discarded, buffer, job_id),
             )
         scheduler = RolloutScheduler(
             spec=spec,
@@ -200,6 +200,8 @@ class RolloutWorker:
     async def start(self) -> None:
         """Binds the cursor to the dataset (ConfigError on a mismatch) and starts the scheduler."""
         await self.cursor.check_fingerprint(self.dataset.fingerprint)
+        if self.scheduler.barrier is not None:
+            await self.scheduler.barrier.start()
         self._task = asyncio.create_task(self.scheduler.run())
         self._task.add_done_callback(self._on_scheduler_done)
         self._sweeper_task = asyncio.create_task(self.sweeper.run())
