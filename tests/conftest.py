@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,26 +83,40 @@ reasoning_gym package; examples/harbor_tasks is no package); the calculator demo
 
 def demo_model_dir(name: str, tmp_root: Path) -> Path:
     """A demo's warmed-up tiny model: `make run`'s copy (.miles/models/<name>) when present, else built into
-    tmp_root once (~1-3 min; the worker's later tests reuse it). Never built into the repository: a test on another
-    worker could read a half-written copy there."""
+    tmp_root once for every test worker sharing tmp_root (~1-3 min alone; CI saw 9 min when each of 4 workers on
+    2 cores built its own). The build holds a file lock and renames a finished copy into place, so no worker
+    reads a half-written one; never built into the repository."""
     made = REPO_ROOT / ".miles" / "models" / name
     if (made / "model.safetensors").is_file():
         return made
     out = tmp_root / name
-    if (out / "model.safetensors").is_file():
-        return out
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    with (tmp_root / f"{name}.lock").open("w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").is_file():
+            building = tmp_root / f"{name}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            build_demo_model(name, building)
+            building.rename(out)
+    return out
+
+
+def build_demo_model(name: str, out: Path) -> None:
+    """Run the demo's warm-up script (a subprocess: it trains for minutes) into `out`."""
     if name in DEMO_WARMUP_SCRIPTS:
         subprocess.run([sys.executable, str(REPO_ROOT / DEMO_WARMUP_SCRIPTS[name]), str(out)], check=True)
     else:
         code = "import sys; from calculator_tool.warmup import build_demo_model; build_demo_model(sys.argv[1])"
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO_ROOT / "examples")
-    return out
 
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`demo_model(name)`: demo_model_dir in this worker's base temp directory."""
-    return lambda name: demo_model_dir(name, tmp_path_factory.getbasetemp())
+    """`demo_model(name)`: demo_model_dir in the temp directory all of this run's test workers share (under
+    xdist, each worker's base temp directory is a child of it)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent / "demo-models" if os.environ.get("PYTEST_XDIST_WORKER") else base / "demo-models"
+    return lambda name: demo_model_dir(name, shared)
 
 
 def demo_job_on_its_first_prompts(num_prompts: int, dataset: Path) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from miles.controller.backends.base import JobProgress, SharedServices
 from miles.controller.backends.local import LocalJobBackend
 from miles.controller.shared import SharedServicesClient
 
-pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JOB_ID = "multi-agent"
