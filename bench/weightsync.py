@@ -42,7 +42,8 @@ is the stream transport?
     model (its config.json; the count is checked against its safetensors) and for a synthetic ~1B Qwen3 shape
     (Qwen3-1.7B's layers - hidden 2,048, 16 heads of 128, 8 KV heads, MLP 6,144, vocab 151,936, tied - 14 of its
     28 layers: 1.02B parameters). What a LoRA job's checkpoint holds (its adapter, float32: twice the bf16 bytes);
-    the engines still receive merged full weights, so this is the size adapters would have on the weight path.
+    a job on a shared engine pool sends its engines this adapter (a job with its own engines still sends merged
+    full weights).
 
 Prints `delta_ratio lr=1e-6 <x>` (tiny model), `delta_ratio synthetic_1b lr=1e-6 <y>` (goal: <= 0.012), the other
 delta workloads with their encode / decode MB/s, `pause_vs_update <p>` (goal: <= 0.15) and `stream_vs_raw_tcp <z>`

@@ -153,9 +153,9 @@ class LocalJobBackend:
         error = job.notice or (self.shared_pools.problem(pool_name) if pool_name else "")
         if job.failed:
             phase, error = "failed", job.error
-        elif status is not None and (
-            status.state == trainer_pb2.TRAINER_STATE_FINISHED or step >= spec.train.num_steps
-        ):
+        elif status is not None and status.state == trainer_pb2.TRAINER_STATE_FINISHED:
+            # Not at step == num_steps: the trainer writes its final checkpoint after that step's Status, and a
+            # job reported succeeded is stopped (its processes killed) before that checkpoint would be durable.
             phase, error = "succeeded", ""
             if not job.succeeded:
                 job.succeeded = True
