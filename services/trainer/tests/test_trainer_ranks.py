@@ -1,13 +1,13 @@
 """A trainer rank that dies takes every rank down, and the restarted ranks resume without training anything twice.
 
-Two deployments, both real 2-rank FSDP2 trainers over gloo against a real buffer:
-- torchrun (the local backend's launch): rank 1 dies like kill -9 in the middle of step 3 (its gradients are
-  computed and rank 0 waits for it inside a collective); rank 0 exits 75 with the watchdog's line, torchrun exits
-  non-zero, and the restarted torchrun finishes the job.
-- separate processes (a StatefulSet's pods: each rank its own process, rank 0 hosts the rendezvous store): while
-  rank 0 waits for data (in no collective), rank 1 gets a real SIGKILL and is restarted at once, as the kubelet
-  restarts a container; the new rank 1 finds the old group's store and announces itself, rank 0 exits 75 saying
-  rank 1 was replaced, and rank 1 waits for that store to go away and joins the restarted rank 0.
+Two deployments, both real 2-rank trainers over gloo against a real buffer:
+- torchrun (the local backend's launch), FSDP2 and Megatron at DP = 2: rank 1 dies like kill -9 in the middle of
+  step 3 (its gradients are computed and rank 0 waits for it inside a collective); rank 0 exits 75 with the
+  watchdog's line, torchrun exits non-zero, and the restarted torchrun finishes the job.
+- separate processes (a StatefulSet's pods, FSDP2: each rank its own process, rank 0 hosts the rendezvous store):
+  while rank 0 waits for data (in no collective), rank 1 gets a real SIGKILL and is restarted at once, as the
+  kubelet restarts a container; the new rank 1 finds the old group's store and announces itself, rank 0 exits 75
+  saying rank 1 was replaced, and rank 1 waits for that store to go away and joins the restarted rank 0.
 Each time the final step count, weight version, the multiset of trained group ids and the buffer's acks equal an
 uninterrupted run's."""
 
@@ -86,7 +86,9 @@ def _peer_lost_lines(log_text: str, rank: int) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
 async def test_rank_dying_mid_step_under_torchrun_ends_every_rank_and_the_restart_trains_each_group_once(
+    backend: str,
     buffer_process: Any,
     small_model_dir: Path,
     tmp_path: Path,
@@ -97,7 +99,9 @@ async def test_rank_dying_mid_step_under_torchrun_ends_every_rank_and_the_restar
 ) -> None:
     reference_job, reference_dir = f"{job_id}-ref", tmp_path / "reference"
     await _fill(buffer_process.target, reference_job, make_group)
-    reference = start_trainer(_env(make_trainer_env, buffer_process, small_model_dir, reference_job, reference_dir))
+    backend_env = {"MILES_TRAINER_BACKEND": backend, "PYTHONWARNINGS": "ignore"}
+    reference_env = _env(make_trainer_env, buffer_process, small_model_dir, reference_job, reference_dir)
+    reference = start_trainer(reference_env | backend_env)
     reference.argv = [*_torchrun(), console_script("miles-trainer")]
     expected = reference.start().wait_for(lambda s: s.state == FINISHED)
     reference.stop()
@@ -106,7 +110,7 @@ async def test_rank_dying_mid_step_under_torchrun_ends_every_rank_and_the_restar
 
     await _fill(buffer_process.target, job_id, make_group)
     checkpoint_dir = tmp_path / "crashed"
-    env = _env(make_trainer_env, buffer_process, small_model_dir, job_id, checkpoint_dir)
+    env = _env(make_trainer_env, buffer_process, small_model_dir, job_id, checkpoint_dir) | backend_env
     # Rank 1 dies in step 3 (trained from version 2), after its backward, while rank 0 waits in the gather.
     env |= {"MILES_FAULTS": "trainer.rank.mid_step=rank1-v2", "MILES_FAULTS_ONCE_DIR": str(tmp_path)}
     trainer = start_trainer(env)
@@ -124,6 +128,8 @@ async def test_rank_dying_mid_step_under_torchrun_ends_every_rank_and_the_restar
     final = trainer.start().wait_for(lambda s: s.state == FINISHED)
     assert (final.step, final.weight_version) == (expected.step, expected.weight_version)
     assert '"restored": true' in trainer.process.log_path.read_text()
+    store = CheckpointStore(checkpoint_dir, keep_last=2, source_model_dir=None)
+    assert store.read_state(NUM_STEPS).backend == backend
     await _check_trained_once(buffer_process, job_id, checkpoint_dir)
 
 
