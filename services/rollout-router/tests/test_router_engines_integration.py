@@ -289,11 +289,13 @@ def test_an_engine_registered_at_run_time_takes_new_sessions(cluster: Cluster) -
         answer = cluster.generate(turn(prompt), key=key).json()
         existing[key] = prompt + answer["output_ids"] + fresh_tokens(rng, 2)
 
+    newest = set_version(spare, newest_version(cluster, POOL_A))  # as weight-sync brings a joining engine up
     reply = cluster.admin.RegisterEngine(router_pb2.RegisterEngineRequest(pool=POOL_A, url=spare.url), timeout=30)
     try:
         info = reply.engine
         assert info.state == router_pb2.ENGINE_STATE_HEALTHY and info.source == router_pb2.ENGINE_SOURCE_ADMIN
-        assert (info.weight_version, info.max_concurrency) == (0, ENGINE_MAX_RUNNING_REQUESTS)
+        assert (info.weight_version, info.max_concurrency) == (newest, ENGINE_MAX_RUNNING_REQUESTS)
+        assert info.admit_at_weight_version == 0
         assert info.kv_capacity_tokens == ENGINE_KV_TOKENS
         served_before = engine_requests(spare.url)
         for index in range(2):
@@ -307,6 +309,50 @@ def test_an_engine_registered_at_run_time_takes_new_sessions(cluster: Cluster) -
             cached = cluster.generate(turn(prompt), key=key).json()["meta_info"]["cached_tokens"]
             assert cached == len(prompt) - 2 - 1
         assert engine_requests(spare.url) - served_before == 4
+    finally:
+        cluster.admin.DeregisterEngine(router_pb2.DeregisterEngineRequest(pool=POOL_A, url=spare.url), timeout=10)
+
+
+def newest_version(cluster: Cluster, pool: str) -> int:
+    return max(info.weight_version for info in cluster.engines(pool).values())
+
+
+def set_version(engine: RealEngine, version: int) -> int:
+    """The engine's weight-version label (what weight-sync sets after a verified load)."""
+    updated = httpx.post(f"{engine.url}/update_weight_version", json={"new_version": str(version)}, timeout=30)
+    assert updated.json()["success"] is True
+    return version
+
+
+def test_an_engine_joining_behind_the_pool_gets_no_request_until_it_reports_the_pools_version(
+    cluster: Cluster,
+) -> None:
+    """A resize or a replaced pod adds an engine on older weights to a pool that has moved on: the router keeps it
+    out of routing (listed unhealthy, `admit_at_weight_version` set) until it reports the pool's newest version,
+    then it takes new sessions like any engine."""
+    rng, spare = random.Random(5), cluster.spare
+    newest = newest_version(cluster, POOL_A)
+    if newest == 0:  # this test alone: move one engine of the pool past the initial weights first
+        newest = set_version(cluster.pool_a[0], 1)
+        wait_for(lambda: newest_version(cluster, POOL_A) == 1)
+    set_version(spare, 0)  # a new engine starts on the initial weights
+    reply = cluster.admin.RegisterEngine(router_pb2.RegisterEngineRequest(pool=POOL_A, url=spare.url), timeout=30)
+    try:
+        info = reply.engine
+        assert (info.state, info.weight_version) == (router_pb2.ENGINE_STATE_UNHEALTHY, 0)
+        assert info.admit_at_weight_version == newest
+        served_before = engine_requests(spare.url)
+        for index in range(6):  # new sessions: least-loaded placement would have put them on the empty engine
+            response = cluster.generate(turn(fresh_tokens(rng, 20)), key=f"joining-{index}")
+            assert response.status_code == 200
+        assert engine_requests(spare.url) == served_before
+
+        set_version(spare, newest)
+        wait_for(lambda: cluster.engines(POOL_A)[spare.url].state == router_pb2.ENGINE_STATE_HEALTHY)
+        assert cluster.engines(POOL_A)[spare.url].admit_at_weight_version == 0
+        for index in range(2):
+            cluster.generate(turn(fresh_tokens(rng, 20)), key=f"admitted-{index}")
+        assert engine_requests(spare.url) > served_before
     finally:
         cluster.admin.DeregisterEngine(router_pb2.DeregisterEngineRequest(pool=POOL_A, url=spare.url), timeout=10)
 
@@ -457,4 +503,7 @@ async def test_killing_an_engine_mid_run_loses_no_request_that_had_not_started_s
     finally:
         if not victim.process.is_running():
             victim.restart()
+    # Back on its initial weights, it serves again once at the pool's version (what weight-sync's reconcile does).
+    newest = max(info.weight_version for url, info in cluster.engines(POOL_A).items() if url != victim.url)
+    set_version(victim, newest)
     wait_for(lambda: cluster.engines(POOL_A)[victim.url].state == router_pb2.ENGINE_STATE_HEALTHY)

@@ -40,6 +40,45 @@ def test_paused_engines_take_no_requests_until_a_generation_check_passes(make_po
     assert engines[1].is_available() and not engines[1].serving_check_supported
 
 
+def test_an_engine_joining_behind_the_pool_waits_for_its_newest_version(make_pool: Any, make_routing: Any) -> None:
+    registry, pool, engines = make_pool(2)  # a job's first engines, at the initial weights: admitted at once
+    assert all(engine.admit_at_version is None for engine in engines)
+    engines[0].weight_version, engines[1].weight_version = 3, 2  # versions 2 and 3 published (a rolling update)
+    joining = registry.new_engine(pool.name, "http://joining:1", engines[0].source)
+    joining.health.force(True)
+    pool.add(joining)  # its version is not read yet (None): it waits for the newest, 3
+    assert (joining.admit_at_version, joining.state(), joining.is_available()) == (3, EngineState.UNHEALTHY, False)
+    assert all(pool.select(make_routing(f"s{i}")).engine is not joining for i in range(20))
+    pool.record_version(joining, 2, authoritative=True)  # weight-sync is on its way: 2 is still behind
+    assert not joining.is_available() and pool.snapshot(joining).admit_at_version == 3
+    engines[0].health.force(False)
+    engines[1].health.force(False)
+    with pytest.raises(NoRoutableEngineError, match=r"1 joining \(waiting for version 3\)"):
+        pool.select(make_routing("s"))
+    pool.record_version(joining, 3, authoritative=True)
+    assert joining.admit_at_version is None and pool.select(make_routing("s")).engine is joining
+    pool.record_version(joining, 2, authoritative=True)  # admitted: behind in a later roll, it still serves
+    assert joining.is_available()
+
+
+def test_an_engine_back_from_a_restart_on_older_weights_waits_like_a_joining_one(make_pool: Any) -> None:
+    _, pool, engines = make_pool(3)
+    for engine in engines:
+        engine.weight_version = 4
+    for _ in range(5):  # it dies (health checks fail until it is marked unhealthy)
+        pool.record_health(engines[0], False)
+    assert not engines[0].health.healthy
+    pool.record_version(engines[0], 0, authoritative=True)  # restarted at the same address on the initial weights
+    for _ in range(5):
+        pool.record_health(engines[0], True)
+    assert engines[0].health.healthy and engines[0].admit_at_version == 4 and not engines[0].is_available()
+    for _ in range(5):  # an engine that was only unreachable for a while still holds the newest weights
+        pool.record_health(engines[1], False)
+    for _ in range(5):
+        pool.record_health(engines[1], True)
+    assert engines[1].admit_at_version is None and engines[1].is_available()
+
+
 def test_open_circuit_takes_an_engine_out_until_half_open(make_pool: Any, make_routing: Any, clock: Any) -> None:
     _, pool, engines = make_pool(2, clock=clock, circuit_failure_threshold=2, circuit_open_s=5.0)
     for _ in range(2):

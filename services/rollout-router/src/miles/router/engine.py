@@ -7,6 +7,14 @@ a pause that may last until a weight update resumes the engine. A paused engine 
 admin contract has no paused state). Its `weight_version` is SGLang's `weight_version` string read by
 `miles.common.contracts.weight_version` ("default" = 0, the initial weights); a label that is no version (None)
 is unknown and never satisfies a `min_weight_version`.
+
+*Joining*: an engine added to a pool whose engines already serve a version past the initial weights (a resize, a
+replaced pod, a restarted engine at a new address), or one that comes back healthy behind them (restarted at the
+same address), must not serve the job's requests on older weights, so it takes none until it reports that
+version (`admit_at_version`; weight-sync catches it up: its reconcile loop, or the next publish for transports
+that find engines in the pool). Once admitted it is an engine like the others: a later rolling update that leaves
+it behind for a while does not take it out again. Listed as unhealthy with `admit_at_version` set (the admin
+contract's `admit_at_weight_version`).
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ class Engine:
     draining: bool = False
     paused: bool = False
     """The generation check failed (SGLang paused, or loading weights): no requests until a check passes."""
+    admit_at_version: int | None = None
+    """Joining (see the module docstring): no requests until `weight_version` reaches this; None once admitted."""
     serving_check_failures: int = 0
     """Consecutive failed generation checks while not paused (hysteresis before pausing a serving engine)."""
     serving_check_supported: bool = True
@@ -78,8 +88,8 @@ class Engine:
     last_serving_check_s: float = field(default=-1e18)
 
     def is_available(self, now_s: float | None = None) -> bool:
-        """Healthy, not paused, not draining, not removed, and the circuit breaker lets requests through."""
-        if self.removed or self.draining or self.paused or not self.health.healthy:
+        """Admitted, healthy, not paused, not draining, not removed, and the breaker lets requests through."""
+        if self.removed or self.draining or self.paused or self.admit_at_version is not None or not self.health.healthy:
             return False
         return self.breaker.allows(time.monotonic() if now_s is None else now_s)
 
@@ -91,7 +101,7 @@ class Engine:
     def state(self, now_s: float | None = None) -> EngineState:
         if self.draining:
             return EngineState.DRAINED if self.slots.is_idle() else EngineState.DRAINING
-        if not self.health.healthy or self.paused:
+        if not self.health.healthy or self.paused or self.admit_at_version is not None:
             return EngineState.UNHEALTHY
         if not self.breaker.allows(time.monotonic() if now_s is None else now_s):
             return EngineState.UNHEALTHY
@@ -113,4 +123,6 @@ class Engine:
             return False
         changed = version != self.weight_version
         self.weight_version = version
+        if self.admit_at_version is not None and version >= self.admit_at_version:
+            self.admit_at_version = None
         return changed

@@ -40,6 +40,7 @@ def engine_info(snapshot: EngineSnapshot) -> router_pb2.EngineInfo:
         circuit_open=snapshot.circuit_open,
         kv_capacity_tokens=snapshot.kv_capacity_tokens or 0,
         cache_tree_tokens=snapshot.cache_tree_tokens,
+        admit_at_weight_version=snapshot.admit_at_version or 0,
     )
 
 

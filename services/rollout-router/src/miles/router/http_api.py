@@ -177,6 +177,8 @@ class EngineInfoModel(BaseModel):
     circuit_open: bool
     kv_capacity_tokens: int
     cache_tree_tokens: int
+    admit_at_weight_version: int = 0
+    """> 0 while joining: no requests (state unhealthy) until the engine reports this weight version."""
 
     @classmethod
     def of(cls, snapshot: EngineSnapshot) -> EngineInfoModel:
@@ -194,6 +196,7 @@ class EngineInfoModel(BaseModel):
             circuit_open=snapshot.circuit_open,
             kv_capacity_tokens=snapshot.kv_capacity_tokens or 0,
             cache_tree_tokens=snapshot.cache_tree_tokens,
+            admit_at_weight_version=snapshot.admit_at_version or 0,
         )
 
 

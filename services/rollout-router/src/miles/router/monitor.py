@@ -115,6 +115,7 @@ class EngineMonitor:
         engine.last_health_check_s = self.clock()
         if ok and not engine.health.healthy:  # it may become healthy now: find out first whether it is paused
             await self.check_serving(pool, engine, failures_to_pause=1)
+            await self.refresh_version(pool, engine)  # and which weights it holds (a restart loads the initial ones)
         was_healthy = engine.health.healthy
         pool.record_health(engine, ok)
         if was_healthy != engine.health.healthy:

@@ -63,8 +63,32 @@ class EnginePool:
 
     # --- membership and engine state ---------------------------------------------------------------------------
     def add(self, engine: Engine) -> None:
+        """Add an engine; one joining a pool that has moved past the initial weights waits for their version."""
+        self._hold_until_current(engine)
         self.engines[engine.url] = engine
         self.policy.on_engine_added(engine)
+
+    def newest_admitted_version(self, excluding: str = "") -> int | None:
+        """The newest weight version an admitted engine of this pool (other than `excluding`) reports (None: no
+        engine knows one)."""
+        versions = [
+            engine.weight_version
+            for engine in self.engines.values()
+            if engine.weight_version is not None
+            and engine.admit_at_version is None
+            and not engine.removed
+            and engine.url != excluding
+        ]
+        return max(versions, default=None)
+
+    def _hold_until_current(self, engine: Engine) -> None:
+        """Joining (engine.py): an engine that (re)appears behind a pool past the initial weights waits for their
+        newest version; its own version, when known, may already be there."""
+        newest = self.newest_admitted_version(excluding=engine.url)
+        if newest is None or newest <= 0:
+            return
+        if engine.weight_version is None or engine.weight_version < newest:
+            engine.admit_at_version = newest
 
     def remove(self, url: str) -> Engine | None:
         engine = self.engines.pop(url, None)
@@ -76,11 +100,13 @@ class EnginePool:
         return engine
 
     def record_health(self, engine: Engine, ok: bool) -> None:
-        """One health observation; an engine that comes back has probably restarted, so its cache is forgotten."""
+        """One health observation; an engine that comes back has probably restarted, so its cache is forgotten,
+        and, when its version (read just before: monitor.py) is behind the pool's, it joins again."""
         if engine.health.record(ok):
             if engine.health.healthy:
                 engine.breaker.reset()
                 self.policy.on_engine_reset(engine.url)
+                self._hold_until_current(engine)
             else:
                 engine.slots.reject_waiters()
 
@@ -188,6 +214,7 @@ class EnginePool:
             kv_capacity_tokens=engine.kv_capacity_tokens,
             cache_tree_tokens=self.policy.cache_tree_units(engine.url),
             paused=engine.paused,
+            admit_at_version=engine.admit_at_version,
         )
 
     def snapshots(self) -> list[EngineSnapshot]:
@@ -219,5 +246,7 @@ class EnginePool:
             state = engine.state(now_s).value
             if state == "unhealthy" and engine.health.healthy:
                 state = "paused" if engine.paused else "circuit open"
+                if engine.admit_at_version is not None and not engine.paused:
+                    state = f"joining (waiting for version {engine.admit_at_version})"
             counts[state] = counts.get(state, 0) + 1
         return ", ".join(f"{num} {state}" for state, num in sorted(counts.items()))

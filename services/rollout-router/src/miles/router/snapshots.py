@@ -24,6 +24,8 @@ class EngineSnapshot:
     cache_tree_tokens: int
     paused: bool = False
     """The generation check found the engine paused (its `state` then reads unhealthy)."""
+    admit_at_version: int | None = None
+    """Joining: no requests until it reports this weight version (its `state` reads unhealthy meanwhile)."""
 
 
 @dataclass(frozen=True)
