@@ -271,8 +271,12 @@ def test_local_job_trains_adopts_restarts_resizes_and_stops(
         )
         assert progress.pools["rollout_workers"] == 2
         new_engine = next(url for url in backend.endpoints(job_id)["engines"] if url != engine_url)
-        # The joining engine catches up with the latest stored version.
-        wait_for(backend, job_id, spec, lambda p: shared.pool_engines(job_id)[new_engine]["weight_version"] >= 1)
+        # The joining engine starts on the initial weights: the router gives it no request until it reports the
+        # pool's version (unless weight-sync already caught it up), then it catches up with the latest version.
+        joined = shared.pool_engines(job_id)[new_engine]
+        assert joined["weight_version"] >= 1 or joined["admit_at_weight_version"] >= 1, joined
+        wait_for(backend, job_id, spec, lambda p: shared.pool_engines(job_id)[new_engine]["state"] == "healthy")
+        assert shared.pool_engines(job_id)[new_engine]["weight_version"] >= 1
         pids = backend.pids(job_id)
         run(backend.resize(job_id, spec, engines=1, rollout_workers=None))
         assert set(shared.pool_engines(job_id)) == {engine_url}
