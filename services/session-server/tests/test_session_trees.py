@@ -192,6 +192,30 @@ async def test_a_tree_at_its_bounds_is_refused_and_keeps_what_it_recorded(
     assert len(scripted_engine.requests) == 3  # refused before the engine ran
 
 
+async def test_a_tree_at_its_token_bound_is_refused_and_keeps_what_it_recorded(
+    tree_app: Any, scripted_engine: Any, operator_token: str
+) -> None:
+    async with tree_app(scripted_engine.url, max_tree_tokens=60) as client:
+        sid, auth = await create(client, operator_token, tree=True)
+        accepted: list[Any] = []
+        for turn in range(10):  # each turn adds its prompt and completion ids (~15), until one could pass 60
+            # max_tokens 8: room for the reply ("Hello." and <|im_end|>) and the bound check's margin
+            question = [{"role": "user", "content": f"question number {turn}"}]
+            before = await samples(client, sid, auth)
+            response = await chat(client, sid, auth, question, max_tokens=8)
+            if response.status_code != 200:
+                break
+            accepted.append(reply(response))
+        after = await samples(client, sid, auth)
+    assert response.status_code == 409 and response.json()["error"]["code"] == "session_tree_full"
+    assert "max_tree_tokens=60" in response.json()["error"]["message"]
+    details = response.json()["error"]["details"]  # refused because this turn could pass the bound
+    assert details["num_tree_tokens"] <= 60 < details["num_tree_tokens"] + details["num_new_token_ids"]
+    assert 1 <= len(accepted) < 10  # it took some turns, and refused before the engine ran again
+    assert len(scripted_engine.requests) == len(accepted)
+    assert after["samples"] == before["samples"] and len(after["samples"]) == len(accepted)
+
+
 async def test_explicit_parents_and_roles_are_checked(
     make_session_app: Any, scripted_engine: Any, operator_token: str, qwen3_model_dir: Path
 ) -> None:

@@ -84,7 +84,8 @@ class SessionSettings(ServiceSettings):
 
     max_tree_tokens: int = Field(default=4 * 1024 * 1024, ge=1)
     """Most token ids a tree session stores over all its nodes (a shared prefix counts once): 16 MiB in the
-    store; a turn past it is a 409 session_tree_full (or, when concurrent branches crossed it, not recorded)."""
+    store; a turn that could pass it (its new prompt ids plus max_tokens) is a 409 session_tree_full before the
+    engine runs (or, when concurrent branches crossed it, not recorded)."""
 
     lock_ttl_s: float = Field(default=30.0, gt=0)
     """Lease of the per-session lock; a crashed holder's lock frees itself after this. Commits are fenced by the

@@ -176,6 +176,8 @@ class TreeTurnPlan:
     appended: list[Json]
     tools: list[Json] | None
     compaction: bool
+    num_tree_tokens: int = 0
+    """The token ids the session's tree held when the turn was planned (for the bound check before generation)."""
 
     @property
     def depth(self) -> int:

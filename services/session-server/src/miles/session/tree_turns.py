@@ -2,13 +2,16 @@
 
 Phase 1 reads the tree without the session lock (a tree turn never rewrites what is stored, so nothing needs
 fencing), places the request, loads only its parent's path ids and builds the prompt with TITO. A tree at its
-bounds is refused here, before the engine runs (409 session_tree_full). Phase 3 adds the node in one atomic step;
+bounds is refused here, before the engine runs (409 session_tree_full), and so is a turn whose node could take
+the tree past max_tree_tokens (its new prompt ids and max_tokens: check_tree_room, once the budget is known). Phase
+3 adds the node in one atomic step;
 concurrent branches that together cross a bound make the later one not recorded (`tree_full`), never a loss of
 what is stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -47,7 +50,7 @@ async def prepare_tree_turn(
     if parent is not None:
         path = tree.path(parent.node_id)
         parent_ids = path_buffer(path, await store.load_tree_ids(meta.session_id, [n.node_id for n in path]))
-    return plan_tree_turn(
+    plan = plan_tree_turn(
         model.tito,
         tree,
         parent,
@@ -56,6 +59,24 @@ async def prepare_tree_turn(
         request_tools=request.tools,
         chat_template_kwargs=request.chat_template_kwargs,
     )
+    return dataclasses.replace(plan, num_tree_tokens=stats.num_tree_tokens)
+
+
+def check_tree_room(
+    session_id: str, plan: TreeTurnPlan, num_prompt_tokens: int, max_new_tokens: int | None, limits: TreeLimits
+) -> None:
+    """Refuse, before the engine runs, a turn whose node could take the tree past max_tree_tokens: its new prompt
+    ids plus the most it may generate (1 when nothing limits the completion). Without this a tree a few hundred
+    ids below the bound would answer every later turn unrecorded (`tree_full` at commit), generating for nothing,
+    and never 409."""
+    num_new_ids = num_prompt_tokens - plan.keep_len + (max_new_tokens if max_new_tokens is not None else 1)
+    if plan.num_tree_tokens + num_new_ids > limits.max_tokens:
+        raise TreeFullError(
+            f"session {session_id} holds {plan.num_tree_tokens} token ids and this turn could add {num_new_ids} "
+            f"(its new prompt ids and max_tokens); the server's bound is max_tree_tokens={limits.max_tokens}: "
+            "start a new session, or ask for fewer tokens",
+            details={"num_tree_tokens": plan.num_tree_tokens, "num_new_token_ids": num_new_ids},
+        )
 
 
 def tree_commit(

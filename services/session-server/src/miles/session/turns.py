@@ -43,7 +43,7 @@ from miles.session.openai_format import CompletionBudget
 from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit
 from miles.session.store import SessionStore
 from miles.session.tree import TreeTurnPlan
-from miles.session.tree_turns import TreeLimits, prepare_tree_turn, tree_commit, tree_fields
+from miles.session.tree_turns import TreeLimits, check_tree_room, prepare_tree_turn, tree_commit, tree_fields
 from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError, pinned_weight_version
 
 tracer = trace.get_tracer("miles.session")
@@ -214,6 +214,8 @@ class TurnRunner:
         if model.routing is not None:
             routing_start = routing.start_row(len(plan.prompt.stored_ids), plan.prompt.num_trimmed_tokens)
         budget = self._budget(meta, model, request, len(prompt_ids))
+        if isinstance(plan, TreeTurnPlan):
+            check_tree_room(meta.session_id, plan, len(prompt_ids), budget.max_new_tokens, self._tree_limits)
         if budget.clamped_from is not None:
             self._metrics.max_tokens_clamped.inc()
         with tracer.start_as_current_span("session.upstream", attributes=attributes) as span:
