@@ -1,5 +1,5 @@
-"""Hostile bytes at the buffer's gRPC port: an oversize push is refused before it is parsed (and costs the buffer
-no memory), bytes that are not a protobuf message get INVALID_ARGUMENT (not UNKNOWN). Real subprocess."""
+"""Hostile bytes at the buffer's gRPC port: an oversize push is refused before it is parsed (the buffer grows by
+less than half of one message), bytes that are not a protobuf message get INVALID_ARGUMENT (not UNKNOWN). Real subprocess."""
 
 from __future__ import annotations
 
@@ -58,7 +58,10 @@ async def test_an_oversize_push_is_refused_unparsed_and_costs_no_memory(
         assert await _raw_call(buffer.target, "PushGroup", request) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     growth_bytes = _rss_bytes(buffer.process.pid) - rss_before
-    assert growth_bytes < len(request) // 4, f"the buffer grew by {growth_bytes} bytes on refused pushes"
+    # Half of one message: parsing even one of the three would cost more than the whole message. gRPC's transport
+    # buffers part of what arrives before the length check refuses it (CI measured 8.9 MB for a 25 MB message
+    # under load, 0.1-0.25x on a quiet machine).
+    assert growth_bytes < len(request) // 2, f"the buffer grew by {growth_bytes} bytes on refused pushes"
     async with buffer.client() as client:
         await client.push_group(job_id, make_group("normal"))
         assert (await client.stats(job_id)).queued_groups == 1

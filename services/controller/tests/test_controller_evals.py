@@ -50,16 +50,18 @@ async def test_scores_per_version_are_served_announced_and_shown(redis_url: str,
         await kit.wait_for_state(client, job_id, "RUNNING")
         empty = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
         assert empty == {"job_id": job_id, "every_n_versions": 5, "evals": []}
+        # As in a job, version 5's step ends before version 5 is scored: the trainer's Status first, and the
+        # scores only once the supervisor recorded the step time (at its next observe, every 0.05 s). Scores
+        # stored before that would be announced without a step-to-score time.
+        backend.jobs[job_id].step, backend.jobs[job_id].step_finished_unix_ms = 5, 1_500
+        for _ in range(1500):
+            if await redis.hexists(version_steps_key(job_id), "5"):
+                break
+            await asyncio.sleep(0.02)
         for version, reward in ((5, 0.5), (0, 0.25)):
             await redis.hset(contract.evals_key(job_id), str(version), stored(version, reward).to_json())
         await redis.hset(contract.evals_key(job_id), "7", "not json")  # skipped, never a 500
-        backend.jobs[job_id].step, backend.jobs[job_id].step_finished_unix_ms = 5, 1_500  # the trainer's Status
-
-        for _ in range(1500):  # the supervisor records the step time at its next observe (every 0.05 s)
-            body = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
-            if body["evals"][1]["step_to_score_s"] is not None:
-                break
-            await asyncio.sleep(0.02)
+        body = (await client.get(f"/v1/jobs/{job_id}/evals")).json()
         assert body["evals"][1]["step_to_score_s"] == 0.5  # scored at 2_000 ms, its step finished at 1_500
         assert [e["version"] for e in body["evals"]] == [0, 5]
         assert body["evals"][0]["step_to_score_s"] is None  # version 0: no step the controller saw

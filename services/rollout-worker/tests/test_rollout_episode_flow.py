@@ -170,9 +170,11 @@ async def test_a_normal_episode_is_scored_and_keeps_agent_metadata(
 async def test_an_agent_past_its_timeout_is_cancelled_and_its_session_deleted(
     services: Any, sessions: SessionClient, spec: Callable[..., RolloutSpec]
 ) -> None:
-    outcome = await runner_for(spec(agent={"function": "x:y", "timeout_s": 0.5}), sessions, slow_agent).run(task_for(2))
+    # 3 s: the agent's first turn (session server + engine) must finish inside it on a loaded 2-core machine (CI
+    # saw 0.5 s pass before it did); its 30 s sleep is what the timeout cuts.
+    outcome = await runner_for(spec(agent={"function": "x:y", "timeout_s": 3.0}), sessions, slow_agent).run(task_for(2))
     assert (outcome.status, outcome.reason) == (ABORTED, "timeout") and outcome.duration_s < 20
-    assert "timeout of 0.5 s" in outcome.samples[0].metadata["error"]
+    assert "timeout of 3 s" in outcome.samples[0].metadata["error"]
     assert outcome.samples[0].metadata["num_turns"] == 1, "what it recorded is kept for inspection"
     assert live_sessions(services) == []
 
