@@ -1,5 +1,6 @@
 """Hostile bytes at the buffer's gRPC port: an oversize push is refused before it is parsed (the buffer grows by
-less than half of one message), bytes that are not a protobuf message get INVALID_ARGUMENT (not UNKNOWN). Real subprocess."""
+less than half of one message), bytes that are not a protobuf message get INVALID_ARGUMENT (not UNKNOWN). Real
+subprocess."""
 
 from __future__ import annotations
 
