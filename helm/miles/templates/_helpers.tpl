@@ -80,7 +80,7 @@ capabilities:
   drop: ["ALL"]
 {{- end -}}
 
-{{/* nodeSelector / tolerations / affinity of a node pool (cpu, rollout or trainer). */}}
+{{/* nodeSelector / tolerations / affinity of a node pool (a key of nodePools: cpu, rollout, trainer or one added). */}}
 {{- define "miles.nodePlacement" -}}
 {{- $pool := index .root.Values.nodePools .pool | required (printf "unknown node pool %q" .pool) -}}
 {{- with $pool.nodeSelector }}
@@ -95,6 +95,19 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The release's node pools as JSON, for jobs that name one (resources.<pool>.node_pool): {"pools": {name:
+{nodeSelector, tolerations, affinity}}}, unset parts as {} / []. Stored in the job-templates ConfigMap under
+node-pools.json (job_templates.NODE_POOLS_KEY), never instantiated; miles.nodePlacement renders the same fields.
+*/}}
+{{- define "miles.nodePools.templatesJson" -}}
+{{- $pools := dict -}}
+{{- range $name, $pool := .Values.nodePools -}}
+{{- $_ := set $pools $name (dict "nodeSelector" ($pool.nodeSelector | default dict) "tolerations" ($pool.tolerations | default list) "affinity" ($pool.affinity | default dict)) -}}
+{{- end -}}
+{{- toJson (dict "pools" $pools) -}}
 {{- end -}}
 
 {{/*

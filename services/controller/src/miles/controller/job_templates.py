@@ -35,6 +35,10 @@ choice and the rollout workers' `MILES_ROLLOUT_ENVIRONMENT_URL` are `miles.contr
 instantiates and gives the trainer the pool's adapter volume, read from the key SHARED_POOLS_KEY (data the chart
 renders only when it declares pools, never instantiated).
 
+**Node pools**: for a job that names one (`resources.<pool>.node_pool`),
+`miles.controller.backends.kubernetes_placement` gives the workloads of that pool the placement the chart describes
+for it under the key NODE_POOLS_KEY (the chart's `nodePools`; data, never instantiated).
+
 **The spec ConfigMap** `<fullname>-<job>-spec` is mounted read-only at `/etc/miles/job` in every per-job pod. Keys
 (all required, `{}` when a process needs nothing from the spec):
 
@@ -91,6 +95,13 @@ SPEC_TEMPLATE_KEY = "spec-configmap.yaml"
 SHARED_POOLS_KEY = "shared-pools.json"
 """Key of the chart's shared engine pools (their adapter volumes), read for jobs on a shared pool
 (`miles.controller.backends.kubernetes_shared_pool`), never instantiated; only present when the chart declares pools."""
+
+NODE_POOLS_KEY = "node-pools.json"
+"""Key of the release's node pools (the chart's `nodePools`: name -> nodeSelector, tolerations, affinity), read for
+jobs that name a pool (`miles.controller.backends.kubernetes_placement`), never instantiated."""
+
+_DATA_KEYS = (SPEC_TEMPLATE_KEY, SHARED_POOLS_KEY, NODE_POOLS_KEY)
+"""Keys of the templates ConfigMap that `instantiate_job_templates` does not fill."""
 
 SPEC_FILES = ("spec.json", "trainer.json", "rollout.json", "weightsync.json")
 """Keys of the job's spec ConfigMap, mounted at SPEC_MOUNT_PATH."""
@@ -255,7 +266,7 @@ def _check_name(obj: Mapping[str, Any]) -> None:
 
 
 def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateParams) -> list[dict[str, Any]]:
-    """Every object of every template except the spec ConfigMap and SHARED_POOLS_KEY (data, not a template), keys
+    """Every object of every template except the spec ConfigMap, SHARED_POOLS_KEY and NODE_POOLS_KEY (data), keys
     sorted, placeholders filled; the environment server's (`env-server-*`) only for a job with an environment,
     whose workers are then wired to it.
 
@@ -274,7 +285,7 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
     objects: list[dict[str, Any]] = []
     for name in sorted(templates):
         skipped = params.environment is None and name.startswith(ENV_SERVER_TEMPLATE_PREFIX)
-        if name not in (SPEC_TEMPLATE_KEY, SHARED_POOLS_KEY) and not skipped:
+        if name not in _DATA_KEYS and not skipped:
             objects += _fill(name, templates[name], values)
     for obj in objects:
         _check_name(obj)

@@ -23,7 +23,7 @@ from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.jobspec.trainer import TrainConfig
 
 NODE_POOL_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
-"""A node pool name is a DNS label (it becomes a node-selector value on Kubernetes)."""
+"""A node pool name is a DNS label (the chart's `nodePools` keys; also the name of a shared engine pool)."""
 
 
 class _Section(BaseModel):
@@ -68,8 +68,11 @@ class EnginePoolSpec(_Section):
     tp_size: int = Field(default=1, ge=1, le=8)
     """Tensor-parallel size of one SGLang engine (`--tp-size`)."""
 
-    node_pool: str = Field(default="rollout", pattern=NODE_POOL_PATTERN)
-    """Node pool the engine pods are scheduled on (Kubernetes)."""
+    node_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
+    """Node pool of the engine pods and their weight-sync daemons (Kubernetes): one of the release's node pools (the
+    chart's `nodePools`), whose nodeSelector, tolerations and affinity replace the chart's placement of this job's
+    engines; a pool the release does not define is a 400. null: the chart's placement (`rollout` for SGLang, `cpu`
+    for the CPU engine). The local backend ignores it."""
 
     extra_args: list[str] = Field(default_factory=list)
     """Arguments appended to the engine's command line."""
@@ -90,8 +93,10 @@ class RolloutWorkerPoolSpec(_Section):
     replicas: int = Field(default=1, ge=1, le=256)
     """Rollout-worker processes or pods; may change while the job runs."""
 
-    node_pool: str = Field(default="cpu", pattern=NODE_POOL_PATTERN)
-    """Node pool the rollout-worker pods are scheduled on (Kubernetes)."""
+    node_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
+    """Node pool of the rollout-worker pods (Kubernetes): one of the release's node pools (the chart's `nodePools`),
+    whose placement replaces the chart's for this job's workers; a pool the release does not define is a 400. null:
+    the chart's `jobTemplates.rolloutWorker.nodePool`. The local backend ignores it."""
 
 
 class TrainerPoolSpec(_Section):
@@ -103,8 +108,10 @@ class TrainerPoolSpec(_Section):
     gpus_per_replica: int = Field(default=0, ge=0, le=8)
     """`nvidia.com/gpu` per trainer pod (0 trains on the CPU)."""
 
-    node_pool: str = Field(default="trainer", pattern=NODE_POOL_PATTERN)
-    """Node pool the trainer pods are scheduled on (Kubernetes)."""
+    node_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
+    """Node pool of the trainer pods (Kubernetes): one of the release's node pools (the chart's `nodePools`), whose
+    placement replaces the chart's for this job's trainer; a pool the release does not define is a 400. null: the
+    chart's `trainer` pool. The local backend ignores it."""
 
     backend: Literal["torch", "megatron"] = "torch"
     """Trainer backend: `torch` (FSDP2) or `megatron`."""

@@ -24,6 +24,10 @@ A LoRA job on a shared engine pool (`resources.engines.shared_pool`, one of the 
 engines or weight-sync of its own, and a trainer that publishes adapters into the pool
 (`miles.controller.backends.kubernetes_shared_pool`); `observe` reports the pool's ready engines without waiting.
 
+A job that names node pools (`resources.<pool>.node_pool`) gets those pools' placement on its engines, rollout
+workers and trainer (`miles.controller.backends.kubernetes_placement`); `check_spec` refuses a pool the chart's
+`nodePools` do not define.
+
 Limits: the engine pool's registration with the router is the router's own discovery (EndpointSlices labelled
 `miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one); an
 adopted engine Deployment (409) keeps the args it was created with.
@@ -50,6 +54,7 @@ from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends.base import JobProgress, SharedServices, barrier_settings
 from miles.controller.backends.kubernetes_limits import kubernetes_problem
+from miles.controller.backends.kubernetes_placement import node_pool_problem, place_on_node_pools
 from miles.controller.backends.kubernetes_shared_pool import (
     check_pool_declared,
     check_pool_in_chart,
@@ -163,6 +168,14 @@ def _engine_kind_problem(templates: Mapping[str, str], spec: JobSpec) -> str:
     )
 
 
+def _chart_problem(templates: Mapping[str, str], spec: JobSpec) -> tuple[str, str] | None:
+    """(field, why) of what this release's chart cannot give `spec`: its engine kind, a node pool it names."""
+    kind_problem = _engine_kind_problem(templates, spec)
+    if kind_problem:
+        return "resources.engines.kind", kind_problem
+    return node_pool_problem(spec, templates)
+
+
 def _component(obj: Mapping[str, Any]) -> str:
     return str(obj.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL, ""))
 
@@ -256,9 +269,9 @@ class KubernetesJobBackend:
         except MilesError:  # the API or the chart's ConfigMap is not there now: start says so, with retries
             return
         check_pool_in_chart(spec, templates)
-        problem = _engine_kind_problem(templates, spec)
-        if problem:
-            raise InvalidArgumentError(problem, field="resources.engines.kind")
+        problem = _chart_problem(templates, spec)
+        if problem is not None:
+            raise InvalidArgumentError(problem[1], field=problem[0])
         if spec.rollout.environment is not None:  # the chart must have an image for the connector
             env_server_image_of(templates, spec.rollout.environment.connector)
 
@@ -271,11 +284,12 @@ class KubernetesJobBackend:
     async def start(self, job_id: str, spec: JobSpec, *, record_routing: bool | None = None) -> None:
         self._check_runnable(spec)
         templates = self._job_templates[job_id] = await self.templates()
-        problem = _engine_kind_problem(templates, spec)  # the chart may have changed since submission
-        if problem:
-            raise FailedPreconditionError(problem)
+        problem = _chart_problem(templates, spec)  # the chart may have changed since submission
+        if problem is not None:
+            raise FailedPreconditionError(problem[1])
         params = template_params(job_id, spec)
-        job_objects, files = instantiate_job_templates(templates, params), spec_files(spec)
+        job_objects = place_on_node_pools(instantiate_job_templates(templates, params), spec, templates)
+        files = spec_files(spec)
         if spec.resources.engines.shared_pool is not None:
             job_objects, files = place_on_shared_pool(templates, job_id, spec, self.shared, job_objects, files)
         elif await self._engines_record_routing(spec, record_routing):
