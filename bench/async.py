@@ -24,7 +24,6 @@ bench/results/async.json.
 from __future__ import annotations
 
 import json
-import platform
 import re
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from _async_agent import ALPHA, MAX_TURNS, num_turns  # noqa: E402
 
 from miles.cli.follow import iter_events  # noqa: E402
 from miles.cli.launcher import Layout, start_platform, stop_platform  # noqa: E402
+from miles.common.testing.machine import describe_machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async.json"
 NUM_STEPS = 16
@@ -271,7 +271,7 @@ def main() -> None:
         "samples_per_prompt": SAMPLES_PER_PROMPT,
         **results,
         "async_vs_sync": round(ratio, 2),
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": _cpus()},
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
@@ -283,12 +283,6 @@ def main() -> None:
             f" dropped_stale_groups={r['dropped_stale_groups']} of pulled_groups={r['pulled_groups']}"
         )
     print(f"async_vs_sync={ratio:.2f}")
-
-
-def _cpus() -> int:
-    import os
-
-    return os.cpu_count() or 0
 
 
 if __name__ == "__main__":

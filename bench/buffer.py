@@ -20,10 +20,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
-import platform
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ import redis
 
 from miles.buffer.client import ACCEPTED_OUTCOMES, BufferClient
 from miles.common.testing import RedisServer, ServiceProcess, free_port
+from miles.common.testing.machine import describe_machine
 from miles.common.testing.smoke import console_script
 from miles.proto.common.v1 import common_pb2
 
@@ -241,7 +239,7 @@ def main() -> None:
         "buffer_vs_raw_redis": round(ratio, 4),
         "buffer_vs_grpc_floor": round(floor_ratio, 4),
         "redis": "redis-server, appendonly yes, appendfsync everysec (one per side)",
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+        "machine": describe_machine(),
     }
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps(result, indent=2) + "\n")

@@ -11,10 +11,8 @@ bench/results/engine.json.
 from __future__ import annotations
 
 import json
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from miles.common.testing import ServiceProcess, free_port
+from miles.common.testing.machine import describe_machine
 from miles.common.testing.smoke import console_script
 
 PROMPT_TOKENS = 2048
@@ -96,7 +95,7 @@ def main() -> None:
         "cached_ttft_median_s": warm_s,
         "cold_over_cached_ratio": cold_s / warm_s,
         "model": "tiny-qwen3 (miles-make-tiny-model, seed 0), fast path",
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": _cpu_count()},
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
@@ -105,12 +104,6 @@ def main() -> None:
     print(f"  {PREFIX_TOKENS}-token prefix cached    {warm_s * 1000:8.1f} ms")
     print(f"  ratio cold / cached          {cold_s / warm_s:8.2f}x")
     print(f"written to {RESULTS.relative_to(REPO)}")
-
-
-def _cpu_count() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
-import os
-import platform
 import ssl
 import statistics
 import sys
@@ -57,6 +55,8 @@ from _router_fleet import (
     write_fake_model_dir,
 )
 from _router_workload import Episode, Workload, tool_tokens
+
+from miles.common.testing.machine import describe_machine
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "router.json"
@@ -336,11 +336,7 @@ def write_results(
         "decode_token_cost_s": DECODE_TOKEN_COST_S,
         "results": [asdict(r) | {"load_max_over_min": round(load_max_over_min(r), 3)} for r in results],
         "smg_version": importlib.metadata.version("smg"),
-        "machine": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0)),
-        },
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from miles.common.testing.machine import describe_machine
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ helpers (not a package)
 from _router_fleet import RouterConfig, start_engines, start_router, write_fake_model_dir
 
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         "pause_s": PAUSE_S,
         "results": [asdict(r) for r in results],
         "verdict": verdict,
+        "machine": describe_machine(),
     }
     if args.duration_s == 300.0:
         RESULTS.write_text(json.dumps(payload, indent=1) + "\n")

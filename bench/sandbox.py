@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from miles.common.testing import ServiceProcess, free_port
+from miles.common.testing.machine import describe_machine
 from miles.common.testing.smoke import console_script
 from miles.proto.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 
@@ -169,6 +170,7 @@ def main() -> int:
     cold, warm = runs["no_warm_pool"], runs["warm_pool"]
     results: dict[str, Any] = {
         **runs,
+        "machine": describe_machine(),
         "create_cold_over_warm_p50_ratio": round(cold["create"]["p50_ms"] / warm["create"]["p50_ms"], 1),
         "first_result_cold_over_warm_p50_ratio": round(
             cold["create_plus_first_exec"]["p50_ms"] / warm["create_plus_first_exec"]["p50_ms"], 2

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import platform
 import shutil
 import statistics
 import sys
@@ -36,6 +35,7 @@ import httpx
 
 from miles.common.contracts.routing import RoutingShape, pack
 from miles.common.testing import RedisServer, ServiceProcess, free_port
+from miles.common.testing.machine import describe_machine
 from miles.common.testing.smoke import console_script
 
 TURNS = 30
@@ -234,7 +234,7 @@ def main() -> None:
         "turns": TURNS,
         "rounds": ROUNDS,
         "user_tokens_per_turn": USER_TOKENS,
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

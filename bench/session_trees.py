@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
-import platform
 import random
 import shutil
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 import httpx
 
 from miles.common.testing import RedisServer, ServiceProcess, free_port
+from miles.common.testing.machine import describe_machine
 from miles.common.testing.smoke import console_script
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -299,7 +299,7 @@ def main() -> None:
         "get_during_turns": reads,
         "packed_tree_savings_by_num_forks": savings,
         "prefix_sentences": PREFIX_SENTENCES,
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

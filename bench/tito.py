@@ -15,8 +15,6 @@ the machine it ran on.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import random
 import time
 from collections.abc import Callable
@@ -24,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles.common.testing.machine import describe_machine
 from miles.session.tito import TitoTokenizer, get_family
 from miles.session.tito.assets import bundled_codec
 from miles.session.tito.conformance import simulate_completion
@@ -160,7 +159,7 @@ def main() -> None:
         "points": points,
         "tito_cost_last_over_first_point": flatness,
         "speedup_goal_at_last_point": SPEEDUP_GOAL,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

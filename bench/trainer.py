@@ -14,11 +14,8 @@ Writes bench/results/trainer.json.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ from pathlib import Path
 import torch
 
 from miles.common.jobspec.trainer import TrainConfig
+from miles.common.testing.machine import describe_machine
 from miles.engine.tiny_model import build_tiny_model
 from miles.model import load_model, load_named_tensors
 from miles.trainer.assemble import assemble
@@ -117,11 +115,7 @@ def main() -> None:
             "deterministic_tokens_per_s": round(exact_tps, 1),
             "fast_over_deterministic_ratio": round(fast_tps / exact_tps, 2),
         },
-        "machine": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0)),
-        },
+        "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

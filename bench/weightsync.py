@@ -62,10 +62,8 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -75,6 +73,7 @@ import torch
 from _weightsync_update import pause_vs_update
 
 from miles.common.testing import ServiceProcess, free_port, wait_for_http_ready
+from miles.common.testing.machine import describe_machine
 from miles.common.testing.smoke import console_script
 from miles.weightsync.delta import decode, encode_delta
 from miles.weightsync.manifest import TensorSpec
@@ -641,7 +640,7 @@ def main() -> None:
         "stream": stream,
         "lora_adapter": lora,
         "goals": {"delta_ratio_lr_1e-6_max": 0.012, "pause_vs_update_max": 0.15, "stream_vs_raw_tcp_min": 0.8},
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": describe_machine(),
     }
     if only:
         result["only_this_part_measured_in_this_run"] = only

@@ -45,6 +45,7 @@ from demo import ensure_model  # noqa: E402
 
 from miles.buffer.client import BufferClient  # noqa: E402
 from miles.cli.launcher import Layout, load_state, start_platform, stop_platform  # noqa: E402
+from miles.common.testing.machine import describe_machine  # noqa: E402
 
 SHARED_TARGETS = ("redis", "buffer", "router", "session", "sandbox", "controller")
 JOB_TARGETS = ("engine", "weightsync", "worker", "trainer")
@@ -232,6 +233,7 @@ def main() -> None:
         stop_platform(layout)
     problems = verdict(result, args.stall_bound_s, args.num_steps * int(spec["train"]["batch_size_groups"]))
     result["problems"] = problems
+    result["machine"] = describe_machine()
     out = REPO_ROOT / "bench/results/chaos.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

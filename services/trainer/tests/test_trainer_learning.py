@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from miles.buffer.client import BufferClient
+from miles.common.testing.machine import describe_machine
 from miles.model import CausalLM, load_model, load_named_tensors, read_safetensors_dir
 from miles.proto.common.v1 import common_pb2
 from miles.proto.trainer.v1 import trainer_pb2
@@ -120,7 +121,7 @@ async def _train_version(
 def _write_bench_result(seed: int, result: dict[str, Any]) -> None:
     existing = json.loads(RESULTS_PATH.read_text()) if RESULTS_PATH.is_file() else {}
     existing.setdefault("benchmark", "services/trainer/tests/test_trainer_learning.py, one entry per seed")
-    existing.setdefault("seeds", {})[str(seed)] = result
+    existing.setdefault("seeds", {})[str(seed)] = result | {"machine": describe_machine()}
     RESULTS_PATH.write_text(json.dumps(existing, indent=2, sort_keys=True) + "\n")
 
 
