@@ -177,6 +177,24 @@ def stored(redis: FakeRedis) -> dict[int, contract.VersionEval]:
     return {int(v): contract.VersionEval.from_json(j) for v, j in redis.hashes.get("miles:evals:job-e", {}).items()}
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_sampled_evaluation_keeps_the_rollouts_sampling_and_greedy_drops_it(greedy: bool) -> None:
+    rollout = RolloutSpec.model_validate(
+        {
+            "dataset": {"path": "unused.jsonl"},
+            "agent": {"function": "x:y"},
+            "reward": {"type": "exact_match"},
+            "request_kwargs": {"temperature": 0.8, "top_p": 0.9, "max_tokens": 16},
+        }
+    )
+    runner_spec = EvalLoop.runner_spec(spec_with(greedy=greedy, n_samples_per_prompt=4, pass_at_k=[1, 4]), rollout)
+    sampled = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 16}
+    expected = {"temperature": 0.0, "max_tokens": 16} if greedy else sampled
+    assert runner_spec.request_kwargs == expected
+    assert runner_spec.partial_rollout.policy == "keep_per_span"  # an eval episode is never regenerated
+    assert rollout.request_kwargs["temperature"] == 0.8  # the rollout's own spec is left as it was
+
+
 def test_due_versions_are_scored_once_and_skipped_ones_recorded_missed(tmp_path: Path) -> None:
     loop, runner, redis = make_loop(tmp_path, n_samples_per_prompt=2, pass_at_k=[1, 2])
 
