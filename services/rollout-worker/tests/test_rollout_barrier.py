@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions as redis_exceptions
 
 from miles.buffer.client import BufferClient
 from miles.common.jobspec.rollout import RolloutSpec
@@ -218,3 +219,29 @@ async def test_each_group_the_trainer_discards_opens_one_place_once_for_all_work
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_waiting_admit_ends_when_cancelled_even_if_redis_swallows_the_cancellation(
+    redis_client: aioredis.Redis, job_id: str
+) -> None:
+    """redis-py can turn a cancellation that lands mid-command into a connection error, which the barrier's retry
+    loop catches: the task is left `cancelling` and, before, waited for a place forever (a hung test teardown)."""
+    full, waiter = barrier(redis_client, job_id, Versions(), batch_size_groups=1, poll_interval_s=0.01), None
+    assert await full.admit(0) == 0
+    waiter = barrier(redis_client, job_id, Versions(), batch_size_groups=1, poll_interval_s=0.01)
+    in_command = asyncio.Event()
+
+    async def command_that_swallows_cancellation(**_: Any) -> int:
+        in_command.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise redis_exceptions.ConnectionError("Connection closed by server.") from None
+        return 0
+
+    waiter._admit = command_that_swallows_cancellation  # type: ignore[assignment]
+    task = asyncio.create_task(waiter.admit(1))
+    await asyncio.wait_for(in_command.wait(), timeout=30)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=30)
+    assert done and task.cancelled()

@@ -1,4 +1,4 @@
-"""Waiting with a deadline without losing a cancellation.
+"""Waiting with a deadline, and polling loops, without losing a cancellation.
 
 On Python 3.11, `asyncio.wait_for` returns the inner result when a cancellation arrives just as the inner
 awaitable completes, so the cancellation is swallowed: a loop that waits that way can miss its shutdown and run on
@@ -29,3 +29,17 @@ async def acquire_within(lock: asyncio.Lock, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def cancel_requested() -> bool:
+    """Whether the running task was asked to stop, even if the CancelledError was swallowed on its way up (a library
+    that turns a cancellation into an error that a retry loop catches leaves the task `cancelling`)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def raise_if_cancel_requested() -> None:
+    """Raises CancelledError when the running task was asked to stop: a polling loop calls it at each turn so that
+    a cancellation lost inside one call still ends the loop."""
+    if cancel_requested():
+        raise asyncio.CancelledError

@@ -42,6 +42,7 @@ import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from miles.common.aio import raise_if_cancel_requested
 from miles.rollout.metrics import RolloutMetrics
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ class SyncBarrier:
         waited_since: float | None = None
         refill_at = time.monotonic() + self.refill_check_s
         while True:
+            raise_if_cancel_requested()  # a cancellation a Redis call swallowed must still end the wait
             version = await self._wait_for_version()
             keys = [f"{self._base}:{version}", f"{self._base}:{version}:extra"]
             args = [seq, self.batch_size_groups, KEY_TTL_S]
@@ -201,6 +203,7 @@ class SyncBarrier:
 
     async def _wait_for_version(self) -> int:
         while True:
+            raise_if_cancel_requested()
             try:
                 version = await self._live_version()
             except (httpx.HTTPError, ValueError) as exc:  # the router restarting: keep waiting
@@ -218,6 +221,7 @@ async def _retrying(call: Callable[[], Awaitable[Any]]) -> Any:
         try:
             return await call()
         except RedisError:
+            raise_if_cancel_requested()  # redis-py can turn a cancellation into a connection error
             log.warning("barrier call failed (Redis); retrying", exc_info=True)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 5.0)

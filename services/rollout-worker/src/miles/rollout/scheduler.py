@@ -31,6 +31,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from miles.common.aio import cancel_requested, raise_if_cancel_requested
 from miles.common.jobspec.rollout import RolloutSpec
 from miles.rollout import groups
 from miles.rollout import samples as sample_ops
@@ -165,6 +166,7 @@ class RolloutScheduler:
         if self._starting is not None and self._starting.num_started < self.spec.n_samples_per_prompt:
             return self._starting
         while True:
+            raise_if_cancel_requested()
             try:
                 claim = await self.cursor.claim(self.worker_id, self.lease_s)
             except RedisError:
@@ -320,7 +322,7 @@ class RolloutScheduler:
                 delay_s = min(delay_s * 2, 5.0)
 
     async def _heartbeat(self) -> None:
-        while not _cancel_requested():
+        while not cancel_requested():
             await asyncio.sleep(self.lease_s / 3)
             try:
                 lost = await self.cursor.extend(self.worker_id, self.open_seqs, self.lease_s)
@@ -332,7 +334,7 @@ class RolloutScheduler:
 
     async def _poll_requeued(self) -> None:
         assert self.requeued is not None
-        while not _cancel_requested():
+        while not cancel_requested():
             try:
                 for epoch, prompt_index in await self.requeued():
                     if 0 <= prompt_index < len(self.dataset):
@@ -340,12 +342,6 @@ class RolloutScheduler:
             except Exception:  # the buffer may be restarting; the next poll retries
                 log.warning("could not take requeued prompts from the buffer", exc_info=True)
             await asyncio.sleep(self.requeue_poll_interval_s)
-
-
-def _cancel_requested() -> bool:
-    """Whether the running task was asked to stop, even if the CancelledError was swallowed on its way up."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Task[Any]], what: str) -> None:
