@@ -30,7 +30,8 @@ COMPONENT_SETTINGS = {
     "sandboxGateway": "miles.sandbox.settings:SandboxSettings",
 }
 # shared_pools: the controller's pools come from the chart's top-level sharedPools (MILES_CONTROLLER_SHARED_POOLS).
-CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url", "shared_pools"}
+# kubernetes_kueue: from the chart's top-level kueue.enabled (MILES_CONTROLLER_KUBERNETES_KUEUE), beside its RBAC.
+CHART_MANAGED = {"host", "port", "metrics_port", "admin_grpc_port", "redis_url", "shared_pools", "kubernetes_kueue"}
 # Where an in-cluster install needs another default than a local process (field -> value).
 CHART_DEFAULTS: dict[str, dict[str, Any]] = {
     "sandboxGateway": {"backend": "kubernetes"},

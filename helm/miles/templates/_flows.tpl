@@ -57,6 +57,15 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 # ...and runs a task's commands in the job's sandboxes (Harbor: gRPC, or the HTTP facade on the metrics port).
 - {from: env-server, to: sandbox-gateway, port: grpc}
 - {from: env-server, to: sandbox-gateway, port: metrics}
+{{- if .Values.leaderWorkerSet.enabled }}
+# Multi-node engines (leaderWorkerSet): the pods of one SGLang server, its leader (engine) and workers
+# (engine-worker), rendezvous at the leader's distInitPort, then open NCCL's/gloo's own ports, every way...
+- {from: engine-worker, to: engine, port: any, perJob: true}
+- {from: engine, to: engine-worker, port: any, perJob: true}
+- {from: engine-worker, to: engine-worker, port: any, perJob: true}
+# ...and every rank joins the trainer's weight-update groups (nccl transport), as the leader does.
+- {from: engine-worker, to: trainer, port: any, except: {{ .Values.jobTemplates.trainer.masterPort }}, perJob: true}
+{{- end }}
 {{- if .Values.sharedPools }}
 # Shared LoRA engine pools (sharedPools): the router serves every job on the pool from its engines...
 - {from: rollout-router, to: shared-engine, port: http}
@@ -77,6 +86,9 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - trainer
 - rollout-worker
 - env-server
+{{- if .Values.leaderWorkerSet.enabled }}
+- engine-worker
+{{- end }}
 {{- end -}}
 
 {{/* The pod component that runs a logical component: weight-sync runs inside engine pods in sidecar mode. */}}
@@ -92,6 +104,7 @@ engine
 {{- define "miles.podComponents" -}}
 {{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" "env-server" -}}
 {{- if .Values.sharedPools }}{{ $all = append $all "shared-engine" }}{{ end -}}
+{{- if .Values.leaderWorkerSet.enabled }}{{ $all = append $all "engine-worker" }}{{ end -}}
 {{- $pods := list -}}
 {{- range $all }}{{ $pods = append $pods (include "miles.podComponent" (dict "root" $ "component" .)) }}{{ end -}}
 {{- toYaml ($pods | uniq) -}}
@@ -105,7 +118,7 @@ engine
 [http]
 {{- else if eq .component "engine" -}}
 {{- if eq .root.Values.jobTemplates.weightSync.mode "sidecar" }}[http, metrics]{{ else }}[http]{{ end -}}
-{{- else if has .component (list "redis" "env-server") -}}
+{{- else if has .component (list "redis" "env-server" "engine-worker") -}}
 []
 {{- else -}}
 [metrics]

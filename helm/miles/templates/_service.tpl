@@ -127,10 +127,18 @@ spec:
             {{- if and (eq .key "controller") (hasKey $c.settings "shared_pools") }}
             {{- fail "controller.settings.shared_pools is set by the chart from sharedPools: declare the pools there" }}
             {{- end }}
+            {{- if and (eq .key "controller") (hasKey $c.settings "kubernetes_kueue") }}
+            {{- fail "controller.settings.kubernetes_kueue is set by the chart from kueue.enabled: set that instead" }}
+            {{- end }}
             {{- if and (eq .key "controller") $root.Values.sharedPools }}
             # The shared engine pools of this release (sharedPools), which LoRA jobs may run on.
             - name: MILES_CONTROLLER_SHARED_POOLS
               value: {{ include "miles.sharedPools.controllerJson" $root | quote }}
+            {{- end }}
+            {{- if and (eq .key "controller") $root.Values.kueue.enabled }}
+            # Jobs with a kueue block are admitted by Kueue (kueue.enabled).
+            - name: MILES_CONTROLLER_KUBERNETES_KUEUE
+              value: "true"
             {{- end }}
             {{- if $root.Values.tracing.otlpEndpoint }}
             - name: OTEL_EXPORTER_OTLP_ENDPOINT

@@ -2,9 +2,12 @@
 put on sys.path by conftest.py).
 
 The fake speaks the few REST paths the backend uses, validates every object it is asked to create with
-`kubernetes_validate` (Kubernetes 1.34, strict), keeps Deployment/StatefulSet status, and garbage-collects owned
-objects when their owner is deleted, as the real API server does. Trainer rank 0 is a small gRPC server (pods do
-not run without a kubelet).
+`kubernetes_validate` (Kubernetes 1.34, strict; custom resources such as LeaderWorkerSets against their vendored
+CRD schemas, `miles.common.testing.crd_schemas`), keeps Deployment/StatefulSet/LeaderWorkerSet status, and
+garbage-collects owned objects when their owner is deleted, as the real API server does. A `status` subresource
+PATCH (Kueue Workloads) changes only `status`, refuses a stale `metadata.resourceVersion` (409) and validates a
+custom resource's result. Trainer rank 0 is a small gRPC server (pods do not run without a kubelet): Status, and
+Checkpoint (counted, with a hook for tests).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from fastapi.responses import JSONResponse
 from kubernetes import client as k8s
 
 from miles.common.serve import serve_async
+from miles.common.testing.crd_schemas import custom_resource_schemas, validate_custom_object
 from miles.common.testing.helm import render_chart
 from miles.common.testing.ports import free_port
 from miles.controller.backends.base import PlatformTokens, SharedPool, SharedServices
@@ -36,8 +40,8 @@ from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 KUBERNETES_VERSION = "1.34"
 NAMESPACE = "miles"
 TEMPLATES = "miles-job-templates"
-_PATH_RE = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?$")
-WORKLOADS = {"deployments", "statefulsets"}
+_PATH_RE = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+)(?:/(status))?)?$")
+WORKLOADS = {"deployments", "statefulsets", "leaderworkersets"}
 
 
 def chart_job_templates(
@@ -98,7 +102,7 @@ class FakeKubernetesApi:
         match = _PATH_RE.match(path)
         if match is None:
             return _status(404, "NotFound", f"no route {path}")
-        group_version, namespace, resource, name = match.groups()
+        group_version, namespace, resource, name, subresource = match.groups()
         if request.method == "POST":
             return self._create(group_version, namespace, resource, await request.json())
         key = (group_version, resource, namespace, name or "")
@@ -108,6 +112,8 @@ class FakeKubernetesApi:
             return _status(404, "NotFound", f"{resource} {name} not found")
         if request.method == "GET":
             return JSONResponse(self.objects[key])
+        if request.method == "PATCH" and subresource == "status":
+            return self._patch_status(key, json.loads(await request.body()))
         if request.method == "PATCH":
             _merge(self.objects[key], json.loads(await request.body()))
             self._settle(resource, self.objects[key])
@@ -116,11 +122,34 @@ class FakeKubernetesApi:
         self._collect_garbage(deleted["metadata"]["uid"])
         return JSONResponse({"kind": "Status", "apiVersion": "v1", "status": "Success"})
 
+    def _patch_status(self, key: tuple[str, str, str, str], patch: dict[str, Any]) -> JSONResponse:
+        """A merge patch of the status subresource: only `status` changes, a stale resourceVersion is a 409, and a
+        custom resource's new status is validated against its CRD's schema."""
+        stored = self.objects[key]
+        version = patch.get("metadata", {}).get("resourceVersion")
+        if version is not None and version != stored["metadata"].get("resourceVersion"):
+            return _status(409, "Conflict", f"{key[1]} {key[3]}: the object has been modified")
+        updated = copy.deepcopy(stored)
+        _merge(updated, {"status": patch.get("status", {})})
+        if (updated.get("apiVersion"), updated.get("kind")) in custom_resource_schemas():
+            try:
+                validate_custom_object(updated)
+            except ValueError as exc:
+                return _status(422, "Invalid", str(exc))
+        updated["metadata"]["resourceVersion"] = str(next(self._versions))
+        self.objects[key] = updated
+        return JSONResponse(updated)
+
     def _create(self, group_version: str, namespace: str, resource: str, obj: dict[str, Any]) -> JSONResponse:
         try:
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            if (obj.get("apiVersion"), obj.get("kind")) in custom_resource_schemas():
+                validate_custom_object(obj)
+            else:
+                kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             return _status(422, "Invalid", f"{obj.get('kind')} {obj['metadata'].get('name')}: {exc.message}")
+        except ValueError as exc:  # a custom resource against its CRD's schema
+            return _status(422, "Invalid", str(exc))
         self.num_validated += 1
         key = (group_version, resource, namespace, obj["metadata"]["name"])
         if key in self.objects:
@@ -162,6 +191,15 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         self.step = 0
         self.error = ""
         self.authorization: list[str] = []
+        self.checkpoints = 0
+        self.on_checkpoint: Callable[[], None] | None = None
+        """Called at each Checkpoint (tests look at the cluster at that moment)."""
+
+    async def Checkpoint(self, request: Any, context: Any) -> trainer_pb2.CheckpointResponse:
+        self.checkpoints += 1
+        if self.on_checkpoint is not None:
+            self.on_checkpoint()
+        return trainer_pb2.CheckpointResponse(step=self.step, path=f"/ckpt/step-{self.step}", num_groups_acked=2)
 
     async def Status(self, request: Any, context: Any) -> trainer_pb2.StatusResponse:
         self.authorization += [value for key, value in context.invocation_metadata() if key == "authorization"]

@@ -26,6 +26,13 @@ def test_state_machine_allows_only_the_documented_transitions() -> None:
         (JobState.RUNNING, JobState.SUCCEEDED),
         (JobState.RUNNING, JobState.FAILED),
         (JobState.RUNNING, JobState.CANCELLED),
+        # Kueue admission (spec.kueue): queued until admitted, back to QUEUED when preempted.
+        (JobState.PENDING, JobState.QUEUED),
+        (JobState.QUEUED, JobState.RUNNING),
+        (JobState.QUEUED, JobState.SUCCEEDED),
+        (JobState.QUEUED, JobState.FAILED),
+        (JobState.QUEUED, JobState.CANCELLED),
+        (JobState.RUNNING, JobState.QUEUED),
     }
     assert all(not LEGAL_TRANSITIONS[state] for state in JobState if state.is_terminal)
 

@@ -114,7 +114,7 @@ class JobWatch:
                 self.rewards_by_step[self.step] = reward
                 if "staleness_mean" in self.metrics:
                     self.staleness_by_step[self.step] = self.metrics["staleness_mean"]
-            if self.state == "PENDING" and data.get("phase") == "running":
+            if self.state in ("PENDING", "QUEUED") and data.get("phase") == "running":
                 self.state = "RUNNING"
         elif event.type == "error":
             self.last_error = str(data.get("message", ""))
@@ -146,6 +146,8 @@ class JobWatch:
         table.add_row("tito critical", _fmt(m.get("tito_critical_episodes"), digits=0))
         if self.pools:
             table.add_row("pools", ", ".join(f"{name} {size}" for name, size in sorted(self.pools.items())))
+        if self.state == "QUEUED" and self.reason:  # waiting for Kueue's admission, or preempted by it
+            table.add_row("queued", self.reason[:160])
         if self.last_error:
             table.add_row("last error", f"[red]{self.last_error[:160]}[/]")
         progress = Progress(
@@ -177,4 +179,4 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def _state_style(state: str) -> str:
-    return {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(state, "blue")
+    return {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "QUEUED": "magenta"}.get(state, "blue")

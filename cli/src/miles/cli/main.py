@@ -44,7 +44,7 @@ from miles.cli.launcher import (
 
 app = typer.Typer(help="miles: agentic RL post-training platform", no_args_is_help=True, add_completion=False)
 console = Console()
-ACTIVE_STATES = ("PENDING", "RUNNING")
+ACTIVE_STATES = ("PENDING", "QUEUED", "RUNNING")
 
 HomeOption = Annotated[Path, typer.Option("--home", envvar="MILES_HOME", help="Platform state directory")]
 UrlOption = Annotated[

@@ -22,7 +22,9 @@ records MoE routing; a flag extraArgs already name is not added again. Keep the 
 {{/*
 The engine container of a job's engine pool and of a shared pool (shared-pools/_pools.tpl): .root, .modelPath,
 .tpSize and .gpus (placeholders for a job, values for a shared pool), .args (appended after the chart's
-jobTemplates.engine.<kind>.extraArgs) and .mounts (the volumeMounts list, as YAML).
+jobTemplates.engine.<kind>.extraArgs) and .mounts (the volumeMounts list, as YAML); .worker (optional, true for
+a non-leader pod of a multi-node engine, _engine_lws.tpl): no HTTP port or probes, as SGLang serves HTTP on the
+leader only.
 */}}
 {{- define "miles.engineContainer" -}}
 {{- $root := .root -}}
@@ -93,12 +95,15 @@ jobTemplates.engine.<kind>.extraArgs) and .mounts (the volumeMounts list, as YAM
   resources:
     {{- toYaml $e.cpu.resources | nindent 4 }}
 {{- end }}
+{{- if not .worker }}
   ports:
     - name: http
       containerPort: {{ $e.port }}
       protocol: TCP
+{{- end }}
   securityContext:
     {{- include "miles.containerSecurityContext" $root | nindent 4 }}
+{{- if not .worker }}
   startupProbe:
     httpGet: {path: /health, port: http}
     periodSeconds: 10
@@ -112,6 +117,7 @@ jobTemplates.engine.<kind>.extraArgs) and .mounts (the volumeMounts list, as YAM
     httpGet: {path: /health, port: http}
     periodSeconds: 5
     timeoutSeconds: 3
+{{- end }}
   volumeMounts:
     {{- .mounts | nindent 4 }}
 {{- end -}}

@@ -1,12 +1,13 @@
 {{/*
 Per-job ingress: each per-job pod component (engine, weight-sync daemons in daemonset mode, weight-sync origin,
-trainer; the environment server in its own template, _envserver.tpl, for jobs that have one) accepts the per-job
-flows only from pods of the same job (platform-wide flows, e.g. router -> engine, come from the shared policies),
-so two jobs never reach each other's pods.
+trainer, multi-node engine workers with leaderWorkerSet; the environment server in its own template,
+_envserver.tpl, for jobs that have one) accepts the per-job flows only from pods of the same job (platform-wide
+flows, e.g. router -> engine, come from the shared policies), so two jobs never reach each other's pods.
 */}}
 {{- define "miles.job.networkPolicy" -}}
 {{- $targets := list "engine" "weight-sync-origin" "trainer" -}}
 {{- if eq .Values.jobTemplates.weightSync.mode "daemonset" }}{{ $targets = append $targets "weight-sync" }}{{ end -}}
+{{- if .Values.leaderWorkerSet.enabled }}{{ $targets = append $targets "engine-worker" }}{{ end -}}
 {{- range $target := $targets }}
 ---
 {{ include "miles.job.ingressPolicy" (dict "root" $ "target" $target) }}

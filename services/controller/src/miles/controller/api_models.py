@@ -101,7 +101,7 @@ class JobList(BaseModel):
 
 
 class ResizeRequest(BaseModel):
-    """`PATCH /v1/jobs/{id}`: new pool sizes of a PENDING or RUNNING job (absent: unchanged)."""
+    """`PATCH /v1/jobs/{id}`: new pool sizes of a PENDING or RUNNING job (a Kueue job: 400) (absent: unchanged)."""
 
     model_config = ConfigDict(
         extra="forbid",

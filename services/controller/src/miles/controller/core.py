@@ -132,6 +132,12 @@ class JobService:
         record = await self.store.get(job_id)
         if record.state.is_terminal or record.cancel_requested:
             raise JobStateConflictError(f"job {job_id} is {record.state.value}: only an active job can be resized")
+        if record.spec.kueue is not None:
+            raise InvalidArgumentError(
+                f"job {job_id} is admitted by Kueue (queue {record.spec.kueue.queue_name!r}) for the pool sizes it was "
+                "submitted with: cancel it and submit it again with the new sizes",
+                field="kueue",
+            )
         pool_name = record.spec.resources.engines.shared_pool
         if pool_name is not None and request.engines is not None:
             raise InvalidArgumentError(

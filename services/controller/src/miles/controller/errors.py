@@ -47,7 +47,7 @@ class RoutingReplayNeedsMoEError(UnprocessableError):
 
 
 class TooManyActiveJobsError(ResourceExhaustedError):
-    """`max_active_jobs` jobs are already PENDING or RUNNING."""
+    """`max_active_jobs` jobs are already PENDING, QUEUED or RUNNING."""
 
 
 class MissingTokenError(UnauthenticatedError):

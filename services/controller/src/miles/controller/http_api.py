@@ -108,7 +108,8 @@ SUBMIT_RESPONSES: Responses = {
         "applied twice: train.correction.mode), or that this controller's backend cannot run (e.g. "
         "resources.engines.kind), or a LoRA job that its `resources.engines.shared_pool` cannot serve (an "
         "undeclared pool, another base model, a rank above the pool's max_lora_rank, target modules outside the "
-        "pool's); `field` names it"
+        "pool's), or a job with `kueue` on a release installed without Kueue (field `kueue.queue_name`); `field` "
+        "names it"
     },
     422: {
         "description": "The spec breaks the schema (`field` names it); or an Idempotency-Key came with another body "
@@ -117,8 +118,8 @@ SUBMIT_RESPONSES: Responses = {
         "controller can read it, has no MoE layers, so there is no routing to replay)"
     },
     429: {
-        "description": "max_active_jobs jobs are already PENDING or RUNNING, or the job's shared engine pool has no "
-        "free adapter slots (its max_loaded_loras, 2 versions per active job)"
+        "description": "max_active_jobs jobs are already PENDING, QUEUED or RUNNING, or the job's shared engine pool "
+        "has no free adapter slots (its max_loaded_loras, 2 versions per active job)"
     },
 }
 _bearer = HTTPBearer(auto_error=False, description="One of the controller's api tokens")
@@ -248,7 +249,8 @@ def _job_routes(router: APIRouter, service: JobService) -> None:
             **NOT_FOUND,
             400: {
                 "description": "`engines` given for a job on a shared engine pool (field `engines`): the platform "
-                "sizes that pool, the job has no engines of its own"
+                "sizes that pool, the job has no engines of its own; or a job admitted by Kueue (field `kueue`): it "
+                "runs with the sizes it was admitted with"
             },
             409: {"description": "The job has ended or is being cancelled: nothing to resize"},
         },

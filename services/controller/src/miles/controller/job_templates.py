@@ -21,6 +21,7 @@ clients: the backend creates what it returns, in this order:
   read by the engines, the trainer and weight-sync (`model_config_dir`); SGLang also accepts a Hub id.
 - `${ENGINE_REPLICAS}` (`engine_replicas`): engine pods, i.e. this job's share of the rollout pool.
 - `${ENGINE_GPUS}` (`engine_gpus`): `nvidia.com/gpu` per SGLang pod. `${TP_SIZE}` (`tp_size`): `--tp-size`.
+- `${ENGINE_NODES}` (`engine_nodes`): pods (nodes) of one engine replica, `--nnodes` (multi-node engines only).
 - `${ROLLOUT_WORKER_REPLICAS}` (`rollout_worker_replicas`): rollout-worker pods (the HPA's minimum when the chart
   autoscales them); `${ROLLOUT_WORKER_MAX_REPLICAS}` (`rollout_worker_max_replicas`, 0 = the replicas): its maximum.
 - `${TRAINER_REPLICAS}` (`trainer_replicas`): trainer ranks = StatefulSet pods (`MILES_TRAINER_WORLD_SIZE`).
@@ -29,6 +30,10 @@ clients: the backend creates what it returns, in this order:
 **Environment servers**: the templates whose keys start with `env-server-` are filled only for a job with
 `JobTemplateParams.environment` (`rollout.environment`) and skipped for any other; their placeholders, the image
 choice and the rollout workers' `MILES_ROLLOUT_ENVIRONMENT_URL` are `miles.controller.env_server_templates`'.
+
+**Multi-node engines**: for a job whose engine replica spans nodes (`JobTemplateParams.engine_nodes` > 1), the
+engine LeaderWorkerSet (ENGINE_LWS_TEMPLATE_KEY, rendered only when the chart enables `leaderWorkerSet`) is filled
+instead of the engine Deployment; for any other job it is skipped (`miles.controller.backends.kubernetes_lws`).
 
 **Shared engine pools**: for a job on one (`resources.engines.shared_pool`),
 `miles.controller.backends.kubernetes_shared_pool` drops the engine and weight-sync objects from what this module
@@ -109,6 +114,7 @@ SPEC_FILES = ("spec.json", "trainer.json", "rollout.json", "weightsync.json")
 SPEC_MOUNT_PATH = "/etc/miles/job"
 
 ENGINE_TEMPLATE_KEY = "engine-deployment.yaml"
+ENGINE_LWS_TEMPLATE_KEY = "engine-leaderworkerset.yaml"
 ENGINE_KIND_ANNOTATION = "miles.dev/engine-kind"
 ENGINE_CONTAINER = "engine"
 """Name of the engine container in the engine Deployment's pod template (the chart's `miles.job.engineContainer`)."""
@@ -120,6 +126,7 @@ PLACEHOLDERS = (
     "ENGINE_REPLICAS",
     "ENGINE_GPUS",
     "TP_SIZE",
+    "ENGINE_NODES",
     "ROLLOUT_WORKER_REPLICAS",
     "ROLLOUT_WORKER_MAX_REPLICAS",
     "TRAINER_REPLICAS",
@@ -149,6 +156,8 @@ class JobTemplateParams:
     trainer_gpus: int
     rollout_worker_max_replicas: int = 0
     """Upper bound of the rollout workers' HPA (when the chart enables it); 0 = rollout_worker_replicas."""
+    engine_nodes: int = 1
+    """Pods (nodes) of one engine replica; above 1 the engine LeaderWorkerSet replaces the engine Deployment."""
     environment: EnvironmentServerParams | None = None
     """The job's environment server (a job with `rollout.environment`); None: the env-server templates are skipped."""
 
@@ -168,6 +177,7 @@ class JobTemplateParams:
             "ENGINE_REPLICAS": (self.engine_replicas, 0),
             "ENGINE_GPUS": (self.engine_gpus, 0),
             "TP_SIZE": (self.tp_size, 1),
+            "ENGINE_NODES": (self.engine_nodes, 1),
             "ROLLOUT_WORKER_REPLICAS": (self.rollout_worker_replicas, 0),
             "ROLLOUT_WORKER_MAX_REPLICAS": (max_workers, self.rollout_worker_replicas),
             "TRAINER_REPLICAS": (self.trainer_replicas, 0),
@@ -280,11 +290,18 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
             "rollout_worker_replicas must be >= 1 when the chart autoscales rollout workers",
             field="rollout_worker_replicas",
         )
+    if params.engine_nodes > 1 and ENGINE_LWS_TEMPLATE_KEY not in templates:
+        raise InvalidArgumentError(
+            f"the job templates have no {ENGINE_LWS_TEMPLATE_KEY} for engines of {params.engine_nodes} nodes: "
+            "install the chart with leaderWorkerSet.enabled",
+            field="engine_nodes",
+        )
     if params.environment is not None:
         values["ENV_SERVER_IMAGE"] = env_server_image_of(templates, params.environment.connector)
     objects: list[dict[str, Any]] = []
+    unused_engine = ENGINE_TEMPLATE_KEY if params.engine_nodes > 1 else ENGINE_LWS_TEMPLATE_KEY
     for name in sorted(templates):
-        skipped = params.environment is None and name.startswith(ENV_SERVER_TEMPLATE_PREFIX)
+        skipped = name == unused_engine or (params.environment is None and name.startswith(ENV_SERVER_TEMPLATE_PREFIX))
         if name not in _DATA_KEYS and not skipped:
             objects += _fill(name, templates[name], values)
     for obj in objects:
@@ -295,25 +312,42 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
 
 
 def with_engine_args(objects: list[dict[str, Any]], args: list[str]) -> list[dict[str, Any]]:
-    """`objects` with `args` appended to the engine container's args, each unless those already name it (see the
-    module docstring). Returns new dicts for what changes; the input is not changed. Raises InvalidArgumentError
-    when the objects have no engine Deployment with an `engine` container (a chart this controller does not know)."""
+    """`objects` with `args` appended to the engine container's args (in every pod template of the engine
+    Deployment or LeaderWorkerSet), each unless those already name it (see the module docstring). Returns new dicts
+    for what changes; the input is not changed. Raises InvalidArgumentError when the objects have no engine workload
+    with an `engine` container (a chart this controller does not know)."""
     result = list(objects)
     for position, obj in enumerate(objects):
-        if obj.get("kind") != "Deployment" or obj["metadata"].get("labels", {}).get(_COMPONENT_LABEL) != "engine":
+        if obj["metadata"].get("labels", {}).get(_COMPONENT_LABEL) != "engine":
             continue
-        deployment = copy.deepcopy(obj)
-        containers = deployment["spec"]["template"]["spec"]["containers"]
-        for container in containers:
-            if container.get("name") == ENGINE_CONTAINER:
-                present = list(container.get("args", []))
-                container["args"] = present + [arg for arg in args if not names_flag(present, arg)]
-                result[position] = deployment
-                return result
+        workload = copy.deepcopy(obj)
+        engines = [
+            container
+            for pod_spec in pod_specs_of(workload)
+            for container in pod_spec["containers"]
+            if container.get("name") == ENGINE_CONTAINER
+        ]
+        for container in engines:
+            present = list(container.get("args", []))
+            container["args"] = present + [arg for arg in args if not names_flag(present, arg)]
+        if engines:
+            result[position] = workload
+            return result
     raise InvalidArgumentError(
         f"the job templates have no engine Deployment with a container named {ENGINE_CONTAINER!r} to add {args} to: "
         "the chart and this controller do not match"
     )
+
+
+def pod_specs_of(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod specs (the dicts themselves, to change in place) of a workload: a Deployment's, StatefulSet's or
+    DaemonSet's, a LeaderWorkerSet's leader and worker; [] for any other kind."""
+    if workload.get("kind") in ("Deployment", "StatefulSet", "DaemonSet"):
+        return [workload["spec"]["template"]["spec"]]
+    if workload.get("kind") == "LeaderWorkerSet":
+        group = workload["spec"]["leaderWorkerTemplate"]
+        return [group[key]["spec"] for key in ("leaderTemplate", "workerTemplate") if key in group]
+    return []
 
 
 def names_flag(args: Sequence[str], flag: str) -> bool:

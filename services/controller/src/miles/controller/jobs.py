@@ -1,12 +1,17 @@
 """The job record and its state machine (no I/O: the store persists it, the supervisor drives it).
 
     PENDING ──▶ RUNNING ──▶ SUCCEEDED
-       │           ├──────▶ FAILED
-       │           └──────▶ CANCELLED
+       │        ▲  │ ├──────▶ FAILED
+       │        │  ▼ └──────▶ CANCELLED
+       │       QUEUED ─────▶ SUCCEEDED | FAILED | CANCELLED
+       ├──▶ QUEUED
        ├──────────────────▶ FAILED
        └──────────────────▶ CANCELLED
 
 PENDING: accepted; shared services being configured, per-job resources being created or not ready yet.
+QUEUED: waiting for admission by a queue (Kueue, `spec.kueue`): the per-job resources exist but are scaled to zero;
+a RUNNING job that the queue preempts goes back to QUEUED (its resources are suspended) and runs again when
+readmitted.
 RUNNING: the backend reports the job's resources running. The three others are terminal: nothing leaves them.
 """
 
@@ -23,6 +28,7 @@ from miles.common.jobspec.job import JobSpec
 
 class JobState(enum.StrEnum):
     PENDING = "PENDING"
+    QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -34,11 +40,12 @@ class JobState(enum.StrEnum):
 
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
-ACTIVE_STATES = frozenset({JobState.PENDING, JobState.RUNNING})
+ACTIVE_STATES = frozenset({JobState.PENDING, JobState.QUEUED, JobState.RUNNING})
 
 LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
-    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.PENDING: frozenset({JobState.QUEUED, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

@@ -11,7 +11,7 @@ class ControllerMetrics:
     def __init__(self, metrics: Metrics) -> None:
         self.jobs_submitted = metrics.counter("jobs_submitted", "Jobs accepted by POST /v1/jobs (replays excluded)")
         self.jobs_ended = metrics.counter("jobs_ended", "Jobs that reached a terminal state, by state", ["state"])
-        self.active_jobs = metrics.gauge("active_jobs", "Jobs PENDING or RUNNING (as seen by the supervisor)")
+        self.active_jobs = metrics.gauge("active_jobs", "Jobs PENDING, QUEUED or RUNNING (as seen by the supervisor)")
         self.supervised_jobs = metrics.gauge("supervised_jobs", "Jobs this replica supervises now")
         self.is_leader = metrics.gauge("supervisor_leader", "1 while this replica holds the supervisor lease")
         self.backend_calls = metrics.counter(

@@ -120,7 +120,7 @@ class ControllerSettings(ServiceSettings):
     the next step emits a `resumed` event. The job is not failed for it: a stalled job may recover."""
 
     max_active_jobs: int = Field(default=16, ge=1)
-    """Jobs PENDING or RUNNING at once; a submission beyond it gets 429."""
+    """Jobs PENDING, QUEUED or RUNNING at once; a submission beyond it gets 429."""
 
     max_events_per_job: int = Field(default=10000, ge=100)
     """Events kept in a job's stream (oldest trimmed first)."""
@@ -150,6 +150,10 @@ class ControllerSettings(ServiceSettings):
 
     kubernetes_config: Literal["auto", "in_cluster", "kubeconfig"] = "auto"
     """Kubernetes backend: how the client authenticates (`auto`: in-cluster when running in a pod)."""
+
+    kubernetes_kueue: bool = False
+    """Kubernetes backend: jobs with a `kueue` block are admitted by Kueue (a Workload per job); the chart sets it
+    from `kueue.enabled`. Off: such a job is refused at submission."""
 
     @field_validator("api_tokens", mode="before")
     @classmethod

@@ -2,7 +2,7 @@
 
 Keys (prefix `key_prefix`): `<p>:job:<id>` (hash: the JobRecord's fields), `<p>:job:<id>:events` (stream: the
 job's events, trimmed to `max_events`), `<p>:jobs` (sorted set of every job id by creation time), `<p>:jobs:active`
-(set of PENDING/RUNNING job ids), `<p>:idem:<sha256(key)>` (JSON {job_id, body_sha256}, expiring), `<p>:leader`
+(set of PENDING/QUEUED/RUNNING job ids), `<p>:idem:<sha256(key)>` (JSON {job_id, body_sha256}, expiring), `<p>:leader`
 (the supervising replica's id, expiring).
 
 Every multi-key change (create, state transition, delete) is one Lua script, so a crash or a concurrent replica can
@@ -211,7 +211,7 @@ class JobStore:
             )
         if outcome == "full":
             raise TooManyActiveJobsError(
-                f"{max_active} jobs are already PENDING or RUNNING (max_active_jobs); wait for one to end",
+                f"{max_active} jobs are already PENDING, QUEUED or RUNNING (max_active_jobs); wait for one to end",
                 retry_after_s=30.0,
             )
         return job_id, outcome == "created"

@@ -4,11 +4,12 @@ One replica at a time supervises (a lease in Redis); it runs one task per active
 
     register with the shared services -> backend.start -> every observe_interval_s: backend.observe
        phase running  -> RUNNING;  phase succeeded -> SUCCEEDED;  phase failed -> FAILED
+       phase queued   -> QUEUED (waiting for Kueue's admission, or preempted by it; `start_timeout_s` does not run)
     cancel requested  -> backend.stop -> CANCELLED;  resize requested -> backend.resize
 
 Restart-safe by construction: all intent (cancel, resize) and all state is in Redis, and `register` and
 `backend.start` are idempotent, so a new supervisor (after a restart, or on another replica once the lease
-expires) re-adopts every PENDING/RUNNING job by running the same steps again: the backend adopts what still runs.
+expires) re-adopts every PENDING/QUEUED/RUNNING job by running the same steps again: the backend adopts what still runs.
 Limit: a job whose lease-holder died is not watched until the lease expires (`leader_lease_s`).
 """
 
@@ -208,16 +209,31 @@ class Supervisor:
         await self._record_progress(record, progress, loop)
         if progress.phase == "failed":
             await self._fail(record, progress.error or "the backend reports the job failed")
-        if progress.phase in ("running", "succeeded") and record.state is JobState.PENDING:
+        if progress.phase == "queued" and record.state is not JobState.QUEUED:
+            await self._queue(record, progress.error or "waiting for admission")
+        if progress.phase in ("running", "succeeded") and record.state in (JobState.PENDING, JobState.QUEUED):
             await self.store.transition(
                 job_id,
                 JobState.RUNNING,
-                {"type": "state", "state": "RUNNING", "previous": "PENDING", "job_id": job_id},
+                {"type": "state", "state": "RUNNING", "previous": record.state.value, "job_id": job_id},
                 {"started_at_s": repr(time.time())},
             )
         if progress.phase == "succeeded":
             await self._call("stop", self.backend.stop(job_id))
             await self._end(record, JobState.SUCCEEDED, f"finished {progress.step} steps")
+
+    async def _queue(self, record: JobRecord, reason: str) -> None:
+        """PENDING or RUNNING -> QUEUED (Kueue: not admitted yet, or preempted); a preemption is also an error."""
+        if record.state is JobState.RUNNING:
+            await self._note_error(record, f"suspended: {reason}")
+        event = {
+            "type": "state",
+            "state": "QUEUED",
+            "previous": record.state.value,
+            "job_id": record.job_id,
+            "reason": reason,
+        }
+        await self.store.transition(record.job_id, JobState.QUEUED, event)
 
     async def _record_progress(self, record: JobRecord, progress: JobProgress, loop: _JobLoopState) -> None:
         metrics = {**record.metrics, **progress.metrics, **await self.shared.router_stats(record.job_id, record.spec)}

@@ -65,8 +65,15 @@ class EnginePoolSpec(_Section):
     gpus_per_replica: int = Field(default=0, ge=0, le=8)
     """`nvidia.com/gpu` per engine pod (0 for the CPU engine)."""
 
-    tp_size: int = Field(default=1, ge=1, le=8)
-    """Tensor-parallel size of one SGLang engine (`--tp-size`)."""
+    tp_size: int = Field(default=1, ge=1, le=64)
+    """Tensor-parallel size of one SGLang engine (`--tp-size`): all its ranks, on every node it spans."""
+
+    nodes_per_replica: int = Field(default=1, ge=1, le=8)
+    """Nodes one engine replica spans (Kubernetes, SGLang): above 1, each replica is a group of that many pods, one
+    per node, each with `gpus_per_replica` GPUs and `tp_size / nodes_per_replica` of the tensor-parallel ranks
+    (SGLang's `--nnodes` / `--node-rank` / `--dist-init-addr`), run as a LeaderWorkerSet whose group restarts
+    together when one of its pods does; the release needs `leaderWorkerSet.enabled` (else a 400). `tp_size` must be
+    a multiple of it. Only the group's first pod (the leader) serves HTTP and joins the router."""
 
     node_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
     """Node pool of the engine pods and their weight-sync daemons (Kubernetes): one of the release's node pools (the
@@ -79,10 +86,19 @@ class EnginePoolSpec(_Section):
 
     @model_validator(mode="after")
     def _tp_fits_gpus(self) -> Self:
-        if self.kind == "sglang" and self.gpus_per_replica and self.tp_size > self.gpus_per_replica:
+        nodes = self.nodes_per_replica
+        if nodes > 1 and self.kind != "sglang":
+            raise ValueError(f"nodes_per_replica ({nodes}) > 1 needs kind 'sglang' (the CPU engine runs on one node)")
+        if self.tp_size % nodes:
             raise ValueError(
-                f"tp_size ({self.tp_size}) exceeds gpus_per_replica ({self.gpus_per_replica}): "
-                "each tensor-parallel rank needs its own GPU"
+                f"tp_size ({self.tp_size}) must be a multiple of nodes_per_replica ({nodes}): every node of a "
+                "replica runs the same number of tensor-parallel ranks"
+            )
+        ranks_per_pod = self.tp_size // nodes
+        if self.kind == "sglang" and self.gpus_per_replica and ranks_per_pod > self.gpus_per_replica:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) over nodes_per_replica ({nodes}) exceeds gpus_per_replica "
+                f"({self.gpus_per_replica}): each tensor-parallel rank needs its own GPU"
             )
         return self
 
@@ -155,6 +171,17 @@ class WeightSyncSpec(_Section):
         return "stream" if value == "delta" else value
 
 
+class KueueSpec(_Section):
+    """Admission of the job by Kueue (Kubernetes backend, on a release installed with `kueue.enabled`): the job's
+    engines, rollout workers and trainer are admitted as one unit, wait QUEUED until then, and are suspended (back
+    to QUEUED) when Kueue preempts them."""
+
+    queue_name: str = Field(pattern=NODE_POOL_PATTERN)
+    """The Kueue LocalQueue in the release's namespace that admits the job (a DNS label). The job's Workload gets
+    no priority class (Kueue's default priority, 0): a priority needs the class's value, which this controller does
+    not read."""
+
+
 class JobSpec(_Section):
     """One training job as a user submits it."""
 
@@ -183,6 +210,9 @@ class JobSpec(_Section):
     evaluation: EvaluationSpec | None = None
     """Held-out evaluation at every N-th weight version on the job's own engines (`miles.common.jobspec.evaluation`);
     null: none."""
+
+    kueue: KueueSpec | None = None
+    """Queue the job in Kueue and run it when Kueue admits it (Kubernetes backend only); null: run at once."""
 
     @field_validator("inference_pools")
     @classmethod

@@ -16,9 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from miles.common.auth import SANDBOX_CAPABILITY, job_capability
 from miles.common.jobspec.job import NODE_POOL_PATTERN, JobSpec
 
-JobPhase = Literal["starting", "running", "succeeded", "failed"]
-"""What a backend observes of a job: `starting` (resources being created or not ready yet), `running`,
-`succeeded` (the trainer reported its last step), `failed` (a resource failed for good; see `error`)."""
+JobPhase = Literal["queued", "starting", "running", "succeeded", "failed"]
+"""What a backend observes of a job: `queued` (waiting for a queue's admission, or preempted by it: resources
+suspended; `error` says why), `starting` (resources being created or not ready yet), `running`, `succeeded` (the
+trainer reported its last step), `failed` (a resource failed for good; see `error`)."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,13 @@ A job that names node pools (`resources.<pool>.node_pool`) gets those pools' pla
 workers and trainer (`miles.controller.backends.kubernetes_placement`); `check_spec` refuses a pool the chart's
 `nodePools` do not define.
 
+A job whose engine replica spans nodes (`resources.engines.nodes_per_replica` > 1) gets the chart's engine
+LeaderWorkerSet instead of the engine Deployment, created, observed and resized through
+`miles.controller.backends.kubernetes_lws`; `check_spec` refuses it on a release without `leaderWorkerSet.enabled`.
+
+A job with `kueue.queue_name` (on a release with `kueue.enabled`) is created suspended and runs when Kueue admits
+its Workload; a preemption suspends it again (`miles.controller.backends.kubernetes_kueue`).
+
 Limits: the engine pool's registration with the router is the router's own discovery (EndpointSlices labelled
 `miles.dev/pool`); TITO mismatch counts of the rollout workers are not read (pods are not dialled one by one); an
 adopted engine Deployment (409) keeps the args it was created with.
@@ -52,6 +59,7 @@ from kubernetes.client.exceptions import ApiException
 from miles.common.errors import FailedPreconditionError, InvalidArgumentError, MilesError, UnavailableError
 from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
+from miles.controller.backends import kubernetes_kueue, kubernetes_lws
 from miles.controller.backends.base import JobProgress, SharedServices, barrier_settings
 from miles.controller.backends.kubernetes_limits import kubernetes_problem
 from miles.controller.backends.kubernetes_placement import node_pool_problem, place_on_node_pools
@@ -131,6 +139,7 @@ def template_params(job_id: str, spec: JobSpec) -> JobTemplateParams:
         engine_replicas=resources.engines.replicas,
         engine_gpus=resources.engines.gpus_per_replica,
         tp_size=resources.engines.tp_size,
+        engine_nodes=resources.engines.nodes_per_replica,
         rollout_worker_replicas=resources.rollout_workers.replicas,
         trainer_replicas=resources.trainer.replicas,
         trainer_gpus=resources.trainer.gpus_per_replica,
@@ -173,7 +182,7 @@ def _chart_problem(templates: Mapping[str, str], spec: JobSpec) -> tuple[str, st
     kind_problem = _engine_kind_problem(templates, spec)
     if kind_problem:
         return "resources.engines.kind", kind_problem
-    return node_pool_problem(spec, templates)
+    return kubernetes_lws.lws_problem(spec, templates) or node_pool_problem(spec, templates)
 
 
 def _component(obj: Mapping[str, Any]) -> str:
@@ -201,8 +210,12 @@ class KubernetesJobBackend:
         shared: SharedServices,
         trainer_address: Callable[[str], str] = lambda address: address,
         status_timeout_s: float = 5.0,
+        kueue_enabled: bool = False,
+        checkpoint_timeout_s: float = 300.0,
     ) -> None:
-        """`trainer_address` maps the in-cluster address of trainer rank 0 to a dialable one (tests)."""
+        """`trainer_address` maps the in-cluster address of trainer rank 0 to a dialable one (tests); `kueue_enabled`:
+        jobs with a `kueue` block are admitted by Kueue (else refused); `checkpoint_timeout_s`: how long a Kueue
+        preemption waits for trainer rank 0's checkpoint."""
         self.api = api_client
         self.namespace = namespace
         self.templates_config_map = templates_config_map
@@ -213,6 +226,9 @@ class KubernetesJobBackend:
         self.apps = k8s.AppsV1Api(api_client)
         self.autoscaling = k8s.AutoscalingV2Api(api_client)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.kueue_enabled = kueue_enabled
+        self.checkpoint_timeout_s = checkpoint_timeout_s
+        self.kueue = kubernetes_kueue.KueueAdmission(api_client, namespace, self._call)
         self._job_templates: dict[str, dict[str, str]] = {}
         """The templates each job was started from (a chart upgrade changes new jobs, not running ones)."""
 
@@ -229,6 +245,7 @@ class KubernetesJobBackend:
             namespace=settings.kubernetes_namespace or default_namespace(),
             templates_config_map=settings.kubernetes_templates_config_map,
             shared=settings.shared_services(),
+            kueue_enabled=settings.kubernetes_kueue,
         )
 
     async def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -263,6 +280,7 @@ class KubernetesJobBackend:
 
     async def check_spec(self, spec: JobSpec) -> None:
         self._check_runnable(spec)
+        kubernetes_kueue.check_kueue(spec, self.kueue_enabled)
         check_pool_declared(spec, self.shared)
         try:
             templates = await self.templates()
@@ -294,13 +312,32 @@ class KubernetesJobBackend:
             job_objects, files = place_on_shared_pool(templates, job_id, spec, self.shared, job_objects, files)
         elif await self._engines_record_routing(spec, record_routing):
             job_objects = with_engine_args(job_objects, [ENGINE_ROUTING_FLAG])
+        if spec.kueue is not None:  # suspended until Kueue admits the job
+            job_objects = self._held_for_kueue(spec, spec.kueue.queue_name, job_objects)
         spec_config_map = job_spec_config_map(templates, params, files)
         created_owner = await self._create_or_read(spec_config_map)
         tokens = job_tokens_secret(spec_config_map, {"sandbox-token": self.shared.tokens.sandbox_job(job_id)})
         objects = owned_by([tokens, *job_objects], created_owner)
         for obj in objects:
             await self._create_or_read(obj)
+        if spec.kueue is not None:  # last: Kueue may admit it at once, and the objects are there to scale
+            name = kubernetes_kueue.workload_name(created_owner["metadata"]["name"])
+            workload = kubernetes_kueue.workload_of(name, job_id, spec.kueue.queue_name, job_objects)
+            await self.kueue.create(owned_by([workload], created_owner)[0])
         log.info("job objects created", extra={"job_id": job_id, "num_objects": len(objects) + 1})
+
+    def _held_for_kueue(
+        self, spec: JobSpec, queue_name: str, job_objects: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The job's objects, suspended for Kueue (FailedPreconditionError when Kueue is off or cannot hold them)."""
+        try:
+            kubernetes_kueue.check_kueue(spec, self.kueue_enabled)
+        except InvalidArgumentError as exc:  # the release changed since submission
+            raise FailedPreconditionError(exc.message) from None
+        problem = kubernetes_kueue.unsuspendable_problem(job_objects)
+        if problem:
+            raise FailedPreconditionError(problem)
+        return kubernetes_kueue.suspended(job_objects, queue_name)
 
     @staticmethod
     async def _engines_record_routing(spec: JobSpec, record_routing: bool | None) -> bool:
@@ -313,6 +350,9 @@ class KubernetesJobBackend:
     async def _create_or_read(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Create `obj`; when it already exists (an adopted job), read it back. Returns the object as stored."""
         kind = obj["kind"]
+        if kind == kubernetes_lws.LWS_KIND:  # a custom resource: CustomObjectsApi
+            custom: dict[str, Any] = await self._call(kubernetes_lws.create_or_read, self.api, self.namespace, obj)
+            return custom
         if kind not in _CREATE_METHODS:
             raise FailedPreconditionError(f"the job templates contain a {kind}, which this controller cannot create")
         api_name, method_name = _CREATE_METHODS[kind]
@@ -338,10 +378,17 @@ class KubernetesJobBackend:
             if exc.status == 404:
                 return JobProgress(phase="failed", error=f"the job's ConfigMap {spec_name} was deleted")
             raise
+        if spec.kueue is not None:  # queued, or preempted: nothing runs to observe
+            name = kubernetes_kueue.workload_name(spec_name)
+            held = await self.kueue.reconcile(job_id, name, lambda: self._checkpoint(templates, job_id))
+            if held is not None:
+                return held
         pools, problem = await self._pools(job_id)
         shared_pool = spec.resources.engines.shared_pool
         if shared_pool is not None:  # the platform's engines: reported, never waited for
             pools["engines"] = await self._call(ready_engines, self.apps, self.namespace, templates, shared_pool)
+        elif kubernetes_lws.is_multi_node(spec):  # ready groups of the engine LeaderWorkerSet
+            pools["engines"] = await self._call(kubernetes_lws.ready_engine_groups, self.api, self.namespace, job_id)
         status = await self._trainer_status(templates, job_id)
         metrics: dict[str, float] = {}
         step = weight_version = 0
@@ -409,6 +456,19 @@ class KubernetesJobBackend:
             return None
         return status
 
+    async def _checkpoint(self, templates: Mapping[str, str], job_id: str) -> str:
+        """Trainer rank 0 writes a durable checkpoint (before Kueue's preemption suspends the job); what happened."""
+        address = self.trainer_address(JobAddresses.of(templates, job_id).trainer_rank0)
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = create_channel(address, bearer_token=self.shared.tokens.trainer)
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            response = await stub.Checkpoint(trainer_pb2.CheckpointRequest(), timeout=self.checkpoint_timeout_s)
+        except grpc.aio.AioRpcError as exc:  # not running, or failed: it resumes from its previous checkpoint
+            return f"no checkpoint: {exc.code().name}: {exc.details()}"
+        return f"checkpoint of step {response.step} at {response.path} ({response.num_groups_acked} groups acked)"
+
     async def resize(self, job_id: str, spec: JobSpec, *, engines: int | None, rollout_workers: int | None) -> None:
         templates = await self._templates_of(job_id)
         objects = instantiate_job_templates(templates, template_params(job_id, spec))
@@ -422,6 +482,8 @@ class KubernetesJobBackend:
                 await self._call(
                     self.apps.patch_namespaced_deployment, name, self.namespace, {"spec": {"replicas": replicas}}
                 )
+            elif obj["kind"] == kubernetes_lws.LWS_KIND:
+                await self._call(kubernetes_lws.resize, self.api, self.namespace, name, replicas)
             elif obj["kind"] == "HorizontalPodAutoscaler":
                 maximum = max(replicas, int(obj["spec"].get("maxReplicas", replicas)))
                 body = {"spec": {"minReplicas": replicas, "maxReplicas": maximum}}

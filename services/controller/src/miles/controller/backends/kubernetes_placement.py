@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.common.jobspec.job import JobSpec
-from miles.controller.job_templates import NODE_POOLS_KEY
+from miles.controller.job_templates import NODE_POOLS_KEY, pod_specs_of
 
 COMPONENT_LABEL = "app.kubernetes.io/component"
 POOL_COMPONENTS: dict[str, frozenset[str]] = {
@@ -43,8 +43,6 @@ POOL_COMPONENTS: dict[str, frozenset[str]] = {
 
 KEPT_NODE_SELECTOR_KEYS = ("miles.dev/job",)
 """Node-selector keys of the chart's own that a pool does not replace (weight-sync daemonset mode: the job's nodes)."""
-
-_WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet"})
 
 
 @dataclass(frozen=True)
@@ -112,9 +110,10 @@ def place_on_node_pools(
     placed = []
     for obj in objects:
         component = obj.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL, "")
-        if obj.get("kind") in _WORKLOAD_KINDS and component in placement_of:
+        if component in placement_of and pod_specs_of(obj):  # workloads; a LeaderWorkerSet's leaders and workers
             obj = copy.deepcopy(obj)
-            _place(obj["spec"]["template"]["spec"], placement_of[component])
+            for pod_spec in pod_specs_of(obj):
+                _place(pod_spec, placement_of[component])
         placed.append(obj)
     return placed
 

@@ -45,6 +45,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> str:
 
 def unsupported(spec: JobSpec, shared: SharedServices) -> tuple[str, str] | None:
     """(field, why) for the first part of `spec` the local backend cannot run; None when it can run all of it."""
+    if spec.kueue is not None:
+        return "kueue", "kueue (admission by Kueue) needs the kubernetes backend on a release with kueue.enabled"
     pool_name = spec.resources.engines.shared_pool
     if pool_name is not None:
         if shared.shared_pool(pool_name) is None:
