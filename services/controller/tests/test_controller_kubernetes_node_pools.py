@@ -14,7 +14,7 @@ import yaml
 from controller_kubernetes_testkit import chart_job_templates, fake_cluster
 
 from miles.common.jobspec.job import JobSpec
-from miles.controller.backends.kubernetes import template_params
+from miles.controller.backends.kubernetes_job_spec import template_params
 from miles.controller.backends.kubernetes_placement import node_pool_problem, place_on_node_pools
 from miles.controller.job_templates import NODE_POOLS_KEY, instantiate_job_templates
 

@@ -17,7 +17,7 @@ from miles.common.jobspec.job import JobSpec
 from miles.common.jobspec.trainer import TrainConfig
 from miles.controller.backends import local_layout
 from miles.controller.backends.base import PlatformTokens, SharedServices
-from miles.controller.backends.kubernetes import spec_files
+from miles.controller.backends.kubernetes_job_spec import spec_files
 from miles.controller.backends.local import LocalJobBackend
 from miles.controller.errors import RoutingReplayNeedsMoEError
 from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, check_routing_replay, read_model_routing
