@@ -3,10 +3,14 @@
 # kind). Builds every service image, loads them into a one-node kind cluster, applies k8s/overlays/kind (the chart
 # inflated by kustomize with the CPU engine and the tiny model), waits for the shared services, submits a demo job
 # (examples/calculator_tool's rollout section on the tiny model) to the controller and waits until its trainer has
-# taken STEPS optimizer steps. The cluster is deleted at the end unless KEEP_CLUSTER=1.
+# taken STEPS optimizer steps and the engines serve its new versions. Then, mid-job, it resizes the engines 1 -> 2
+# -> 1 through PATCH /v1/jobs/{id} while probing the job's router pool (every response must come from an engine at
+# or past the pool's version before the resize: the joining engine gets no traffic until weight-sync caught it up),
+# cancels the job and checks that its router pool is gone. The cluster is deleted at the end unless KEEP_CLUSTER=1.
 #
 # Environment: CLUSTER (kind cluster name, default miles-e2e), STEPS (default 2), TIMEOUT_S (per wait, default
-# 900), KEEP_CLUSTER=1 (leave the cluster running for a look around), SKIP_BUILD=1 (images already loaded).
+# 900), KEEP_CLUSTER=1 (leave the cluster running for a look around), SKIP_BUILD=1 (images already loaded),
+# RESIZE=0 (skip the resize and cancel steps).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -74,7 +78,7 @@ spec = {
     "name": "kind-demo",
     "model": {"path": "/models/tiny-qwen3", "family": "qwen3"},
     "rollout": rollout,
-    "train": {"num_steps": int(sys.argv[1])},
+    "train": {"num_steps": int(sys.argv[1]) + 1000},  # still running for the resize; cancelled at the end
     "resources": {"engines": {"replicas": 1, "kind": "cpu"}, "rollout_workers": {"replicas": 1}, "trainer": {"replicas": 1}},
 }
 print(json.dumps(spec))
@@ -119,5 +123,60 @@ sys.exit(0 if versions and all(1 <= v <= trainer and trainer - v <= 2 for v in v
   ((SECONDS < deadline)) || die "the engines did not follow the trainer's versions in ${TIMEOUT_S}s"
   sleep 5
 done
+ROUTER=http://127.0.0.1:$ROUTER_PORT
+pool_engines() { curl -fsS "$ROUTER/admin/v1/engines?pool=$JOB_ID"; }
+resize_engines() {
+  curl -fsS -X PATCH "$URL/v1/jobs/$JOB_ID" -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
+    -d "{\"engines\": $1}" >/dev/null
+}
+wait_for_pool() {  # until the pool has $1 engines, all healthy
+  local deadline=$((SECONDS + TIMEOUT_S))
+  until pool_engines | $PY -c '
+import json, sys
+engines = json.load(sys.stdin)["engines"]
+sys.exit(0 if len(engines) == int(sys.argv[1]) and all(e["state"] == "healthy" for e in engines) else 1)
+' "$1"; do
+    ((SECONDS < deadline)) || { pool_engines; die "the pool did not reach $1 healthy engines in ${TIMEOUT_S}s"; }
+    sleep 3
+  done
+}
+probe() {  # $2 generate requests through the job's pool: each one 200 (or a retryable 503) and at version >= $1
+  $PY - "$ROUTER" "$JOB_ID" "$1" "$2" <<'EOF'
+import sys, httpx
+router, pool, floor, num = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+served, behind = 0, []
+for _ in range(num):
+    response = httpx.post(f"{router}/generate", json=body, headers={"X-Miles-Pool": pool}, timeout=60)
+    if response.status_code == 503 and "no_routable_engine" in response.text:
+        continue
+    response.raise_for_status()
+    version = int(response.json()["meta_info"]["weight_version"])
+    served += 1
+    if version < floor:
+        behind.append(version)
+print(f"probe: {served} of {num} served, {len(behind)} behind version {floor}")
+sys.exit(1 if behind or served == 0 else 0)
+EOF
+}
+if [[ ${RESIZE:-1} == 1 ]]; then
+  echo "== resize the engines 1 -> 2 -> 1 mid-job"
+  floor=$(curl -fsS "$ROUTER/v1/weight_version?pool=$JOB_ID" \
+    | $PY -c "import json, sys; print(json.load(sys.stdin)['min_weight_version'])")
+  resize_engines 2
+  probe "$floor" 50 || die "a response was served behind version $floor while an engine joined"
+  wait_for_pool 2
+  probe "$floor" 50 || die "a response was served behind version $floor with 2 engines"
+  resize_engines 1
+  wait_for_pool 1
+  probe "$floor" 20 || die "the pool failed after the engine was removed"
+  echo "== cancel the job: its router pool goes with it"
+  curl -fsS -X POST "$URL/v1/jobs/$JOB_ID/cancel" -H "Authorization: Bearer $TOKEN" >/dev/null
+  deadline=$((SECONDS + TIMEOUT_S))
+  until [[ $(curl -s -o /dev/null -w '%{http_code}' "$ROUTER/admin/v1/engines?pool=$JOB_ID") == 404 ]]; do
+    ((SECONDS < deadline)) || die "the job's router pool was left behind"
+    sleep 5
+  done
+fi
 kill "$ROUTER_FORWARD_PID" 2>/dev/null || true
-echo "e2e-kind: OK (job $JOB_ID took $step steps; the engines serve the trainer's new versions)"
+echo "e2e-kind: OK (job $JOB_ID took $step steps; the engines serve the trainer's new versions; RESIZE=${RESIZE:-1})"
