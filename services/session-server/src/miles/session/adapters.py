@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from miles.common.contracts.adapters import parse_adapter_name
 from miles.session.api_models import JobAdapterBody
@@ -45,8 +46,14 @@ NOT_LOADED_MESSAGE = "The following requested LoRA adapters are not loaded"
 POLL_INTERVAL_S = 0.2
 NOT_PUBLISHED_RETRY_AFTER_S = 5.0
 
+T = TypeVar("T")
 Generate = Callable[[str], Awaitable[Completion]]
 """One /generate call of a turn with the given `lora_path`."""
+
+
+def served_with(completion: Completion, adapter: LiveAdapter) -> Completion:
+    """`completion` recording the adapter version it was served with as its weight_version."""
+    return dataclasses.replace(completion, weight_version=sent_version(adapter.lora_name))
 
 
 def sent_version(lora_name: str) -> str:
@@ -115,16 +122,22 @@ class JobAdapters:
     async def generate(self, job_id: str, adapter: LiveAdapter, call: Generate) -> Completion:
         """`call` with `adapter`'s name (once more with the new live one when the engine no longer had it); the
         completion's weight_version is the adapter version it was served with."""
+        completion, served = await self.call_live(job_id, adapter, call)
+        return served_with(completion, served)
+
+    async def call_live(
+        self, job_id: str, adapter: LiveAdapter, call: Callable[[str], Awaitable[T]]
+    ) -> tuple[T, LiveAdapter]:
+        """(`call` with `adapter`'s name, the adapter it ran with): once more with the job's new live adapter when
+        the engine no longer had the one named (a streamed turn opens its stream this way)."""
         try:
-            completion = await call(adapter.lora_name)
+            return await call(adapter.lora_name), adapter
         except UpstreamRejectedError as exc:
             moved = await self._moved(job_id, adapter) if NOT_LOADED_MESSAGE in exc.message else None
             if moved is None:
                 raise
             self._metrics.adapter_retries.inc()
-            adapter = moved
-            completion = await call(adapter.lora_name)
-        return dataclasses.replace(completion, weight_version=sent_version(adapter.lora_name))
+            return await call(moved.lora_name), moved
 
     async def _moved(self, job_id: str, adapter: LiveAdapter) -> LiveAdapter | None:
         """The job's live adapter when it is no longer `adapter`, else None."""

@@ -245,12 +245,12 @@ class SessionCore:
             raise WrongTokenError(f"the token is not the capability token of session {session_id}")
         return meta
 
-    async def chat(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
+    def check_chat(self, request: ChatCompletionRequest) -> None:
+        """The server's limits on a chat request (a turn, streamed or not, is run by turns.py / streaming.py)."""
         if len(request.messages) > self.settings.max_messages:
             raise InvalidRequestError(
                 f"{len(request.messages)} messages exceed max_messages={self.settings.max_messages}", field="messages"
             )
-        return await self.turns.run(meta, request)
 
     async def delete(self, session_id: str) -> None:
         if not await self.store.delete(session_id):  # waits for an in-flight phase 1 or 3, never for the engine
@@ -295,7 +295,7 @@ class SessionCore:
             "tools": state.tools,
             "accumulated_token_ids": state.token_ids,
             "weight_versions": [r.weight_version for r in records],
-            "records": [r.to_json() for r in records],
+            "records": await asyncio.to_thread(lambda: [r.to_json() for r in records]),
             "tito_session_mismatch": comparison.to_metadata() if comparison is not None else None,
         }
 

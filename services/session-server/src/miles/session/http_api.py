@@ -12,6 +12,7 @@ POST /v1/sessions, whose schema the OpenAPI states exactly); larger than max_bod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -46,6 +47,7 @@ from miles.session.errors import (
     RequestTooLargeError,
     WrongTokenError,
 )
+from miles.session.json_stream import json_body
 from miles.session.openapi_docs import (
     ADAPTER_GET_RESPONSES,
     ADAPTER_PUT_RESPONSES,
@@ -64,6 +66,7 @@ from miles.session.openapi_docs import (
     body_schema,
     create_session_openapi,
 )
+from miles.session.streaming import StreamingTurns
 from miles.session.tito.messages import first_json_path, lone_surrogate
 
 M = TypeVar("M", bound=BaseModel)
@@ -217,7 +220,7 @@ def _create_route(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         )
 
 
-def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
+def _session_routes(router: APIRouter, core: SessionCore, streams: StreamingTurns, auth: Auth) -> None:
     @router.get("/v1/sessions", responses=OPERATOR_RESPONSES)
     async def list_sessions(
         request: Request, job_id: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
@@ -225,10 +228,11 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         auth.require_operator(request)
         return {"session_ids": await core.list_sessions(job_id, limit)}
 
-    @router.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES)
-    async def get_session(session_id: SessionId, request: Request) -> dict[str, Any]:
+    @router.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES, response_model=dict[str, Any])
+    async def get_session(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
-        return await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
+        view = await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
+        return StreamingResponse(json_body(view), media_type="application/json")  # ~100 MB: not in one piece
 
     @router.delete("/v1/sessions/{session_id}", status_code=204, responses=SESSION_RESPONSES)
     async def delete_session(session_id: SessionId, request: Request) -> Response:
@@ -246,9 +250,11 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         token, is_operator = auth.session_caller(request)
         meta = await core.authorize(session_id, token, is_operator=is_operator)
         message = await core.samples(meta, await parse_body(request, SamplesRequest, allow_empty=True))
+        # A long session's samples are ~100 MB: converted in a worker thread, JSON written in pieces (json_stream.py).
         if PROTOBUF_MEDIA_TYPE in request.headers.get("accept", ""):
-            return Response(message.SerializeToString(), media_type=PROTOBUF_MEDIA_TYPE)
-        return Response(samples_wire.to_json(message), media_type="application/json")
+            return Response(await asyncio.to_thread(message.SerializeToString), media_type=PROTOBUF_MEDIA_TYPE)
+        data = await asyncio.to_thread(samples_wire.to_dict, message)
+        return StreamingResponse(json_body(data), media_type="application/json")
 
     @router.post(
         "/v1/sessions/{session_id}/v1/chat/completions",
@@ -259,15 +265,15 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         token, is_operator = auth.session_caller(request)
         meta = await core.authorize(session_id, token, is_operator=is_operator)
         body = await parse_body(request, ChatCompletionRequest)
-        result = await core.chat(meta, body)
-        headers = openai_format.budget_headers(result)
+        core.check_chat(body)
         if not body.stream:
-            return JSONResponse(result, headers=headers)
-        events = openai_format.stream_events(result, include_usage=body.include_usage)
+            result = await core.turns.run(meta, body)
+            return JSONResponse(result, headers=openai_format.budget_headers(result))
+        stream = await streams.open(meta, body)  # refusals up to the engine's answer status are HTTP errors
         return StreamingResponse(
-            _iterate(events),
+            stream.events(),
             media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no", **stream.headers},
         )
 
     @router.get("/v1/sessions/{session_id}/v1/models", responses=SESSION_RESPONSES)
@@ -276,11 +282,6 @@ def _session_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         meta = await core.authorize(session_id, token, is_operator=is_operator)
         model = await core.models.get(meta.model)
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "miles"}]}
-
-
-async def _iterate(events: list[bytes]) -> AsyncIterator[bytes]:
-    for event in events:
-        yield event
 
 
 def _job_routes(router: APIRouter, core: SessionCore, auth: Auth) -> None:
@@ -337,6 +338,7 @@ def _adapter_routes(router: APIRouter, adapters: JobAdapters, auth: Auth) -> Non
 def build_app(
     core: SessionCore,
     adapters: JobAdapters,
+    streams: StreamingTurns,
     metrics: Metrics,
     *,
     operator_token: str,
@@ -347,8 +349,6 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
         await core.warm_up()
         reaper = asyncio.create_task(core.reap_forever())
         try:
@@ -370,7 +370,7 @@ def build_app(
     auth = Auth(operator_token)
     router = APIRouter()
     _create_route(router, core, auth)
-    _session_routes(router, core, auth)
+    _session_routes(router, core, streams, auth)
     _job_routes(router, core, auth)
     _adapter_routes(router, adapters, auth)
     app.include_router(router)

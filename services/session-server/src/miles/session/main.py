@@ -19,6 +19,7 @@ from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry
 from miles.session.settings import SessionSettings
 from miles.session.store import make_store
+from miles.session.streaming import StreamingTurns
 from miles.session.tree_turns import TreeLimits
 from miles.session.turns import TurnRunner
 from miles.session.upstream import EngineClient
@@ -45,6 +46,7 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
         store=store, models=models, engine=engine, metrics=session_metrics, tree_limits=tree_limits, adapters=adapters
     )
     core = SessionCore(settings=settings, store=store, models=models, turns=turns, metrics=session_metrics)
+    streams = StreamingTurns(turns=turns, engine=engine, adapters=adapters, metrics=session_metrics)
 
     async def close() -> None:
         await engine.close()
@@ -56,6 +58,7 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
     return build_app(
         core,
         adapters,
+        streams,
         metrics,
         operator_token=operator_token,
         max_body_bytes=settings.max_body_bytes,

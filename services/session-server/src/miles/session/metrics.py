@@ -15,6 +15,7 @@ from miles.session.tito import TitoMetrics, register_tito_metrics
 TURN_RESULTS = ("recorded", "not_recorded", "failed")
 TURN_PHASES = ("prepare", "upstream", "commit")
 UPSTREAM_ERROR_KINDS = ("unreachable", "rejected", "conflict", "aborted", "malformed")
+STREAM_INTERRUPTIONS = ("upstream_error", "failed", "client_disconnect")
 SAMPLE_STATUSES = ("COMPLETED", "TRUNCATED", "ABORTED")
 
 
@@ -76,6 +77,20 @@ class SessionMetrics:
             "adapter_retries",
             "LoRA turns sent again with the job's new live adapter after the engine no longer had the one they named",
         )
+        self.stream_first_token_s = metrics.histogram(
+            "stream_first_token_seconds",
+            "Streamed turns: seconds from the request to the first reasoning or content text sent to the agent",
+        )
+        self.stream_interruptions = metrics.counter(
+            "stream_interruptions",
+            "Streamed turns that ended with an error event or a client disconnect instead of a finish chunk "
+            "(nothing recorded), by reason: upstream_error, failed (a check or the commit refused), client_disconnect",
+            ["reason"],
+        )
+        self.stream_divergences = metrics.counter(
+            "stream_divergences",
+            "Streamed turns whose early text was not a prefix of the parsed message (the rest could not be sent)",
+        )
         self.tito: TitoMetrics = register_tito_metrics(metrics)
         for result in TURN_RESULTS:
             self.turns.labels(result=result)
@@ -83,5 +98,7 @@ class SessionMetrics:
             self.phase_duration_s.labels(phase=phase)
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind=kind)
+        for reason in STREAM_INTERRUPTIONS:
+            self.stream_interruptions.labels(reason=reason)
         for status in SAMPLE_STATUSES:
             self.samples.labels(status=status)

@@ -1,16 +1,8 @@
-"""OpenAI wire shapes of a turn: sampling params in, chat.completion / chat.completion.chunk out.
-
-Streaming is assembled from the finished turn (the assistant message is only known once the family parser has
-seen the whole completion, and the deltas must add up to exactly the message the session stored, or the agent's
-next request would not match the history). The stream is a valid OpenAI SSE stream: a role chunk, reasoning,
-content and tool-call chunks, a finish chunk, an optional usage chunk, then `data: [DONE]`.
-"""
+"""OpenAI wire shapes of a turn: sampling params in, a chat.completion out (streamed chunks: streaming.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from miles.session.api_models import ChatCompletionRequest
 from miles.session.records import FinishType, Json
@@ -134,30 +126,3 @@ def completion_body(
         "usage": usage_body,
         "miles": miles,
     }
-
-
-def _event(data: Json) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
-
-
-def stream_events(body: Json, *, include_usage: bool) -> list[bytes]:
-    """The SSE events of a finished `chat.completion` body."""
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
-    choice = body["choices"][0]
-    message: Json = choice["message"]
-
-    def chunk(delta: Json, finish: str | None = None, **extra: Any) -> bytes:
-        return _event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
-
-    events = [chunk({"role": "assistant", "content": ""})]
-    if message.get("reasoning_content"):
-        events.append(chunk({"reasoning_content": message["reasoning_content"]}))
-    if message.get("content"):
-        events.append(chunk({"content": message["content"]}))
-    for index, call in enumerate(message.get("tool_calls", [])):
-        events.append(chunk({"tool_calls": [{"index": index, **call}]}))
-    events.append(chunk({}, choice["finish_reason"], miles=body["miles"]))
-    if include_usage:
-        events.append(_event({**base, "choices": [], "usage": body["usage"]}))
-    events.append(b"data: [DONE]\n\n")
-    return events

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -189,7 +189,9 @@ class TurnRecord:
     the chunk covers [routing_start_row, prompt_len + len(completion_ids) - 1). None: no routing recorded."""
 
     def to_json(self) -> Json:
-        data = asdict(self)
+        # Not dataclasses.asdict: its deep copy walks every id and logprob in Python (a 100k-token turn: ~50 ms).
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["completion_ids"], data["logprobs"] = list(self.completion_ids), list(self.logprobs)
         data["finish_type"] = self.finish_type.value
         return data
 
@@ -199,7 +201,7 @@ class TurnRecord:
             turn_index=int(data["turn_index"]),
             prompt_len=int(data["prompt_len"]),
             num_trimmed_tokens=int(data["num_trimmed_tokens"]),
-            completion_ids=[int(i) for i in data["completion_ids"]],
+            completion_ids=list(map(int, data["completion_ids"])),
             logprobs=[None if lp is None else float(lp) for lp in data["logprobs"]],
             weight_version=str(data["weight_version"]),
             cached_tokens=int(data["cached_tokens"]),

@@ -67,5 +67,6 @@ def session_samples(meta: SessionMeta, samples: list[Any], *, empty_reason: str,
     return message
 
 
-def to_json(message: Any) -> str:
-    return str(json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None))
+def to_dict(message: Any) -> Json:
+    """The JSON form of a message (proto field names), as a dict to write in pieces (json_stream.py)."""
+    return dict(json_format.MessageToDict(message, preserving_proto_field_name=True))

@@ -135,6 +135,14 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+_PARSE_INLINE_BYTES = 256 * 1024
+"""Stored records up to this size are parsed on the event loop (a thread hop costs more than the parse)."""
+
+
+def _records(raw: list[Any]) -> list[TurnRecord]:
+    return [TurnRecord.from_json(json.loads(item)) for item in raw]
+
+
 def _state(values: list[Any]) -> SessionState:
     version, messages, ids, tools, ends, not_recorded = values
     return SessionState(
@@ -286,7 +294,9 @@ class RedisStore(RedisTree, RedisJobs):
     @store_errors
     async def load_records(self, session_id: str) -> list[TurnRecord]:
         raw = await self._redis.lrange(self._key(session_id, ":records"), 0, -1)
-        return [TurnRecord.from_json(json.loads(item)) for item in raw]
+        if sum(len(item) for item in raw) < _PARSE_INLINE_BYTES:
+            return _records(raw)
+        return await asyncio.to_thread(_records, raw)  # a long session's records: not on the event loop
 
     @store_errors
     async def load_routing(self, session_id: str) -> list[bytes]:

@@ -12,6 +12,8 @@ A session that records routing (R3) asks the engine in phase 2 for the routing r
 (routing.py), checks their count, and commits them packed beside the record in phase 3; the agent's answer is built
 from the parsed completion only, so routing never reaches it (a client's own `return_routed_experts` is ignored).
 A LoRA job's phase 2 names the job's live adapter and records its version (adapters.py), for linear and tree turns.
+`run` is a non-streamed turn; a streamed one (streaming.py) calls `prepare` (phase 1), relays phase 2 itself and
+then `finish` (phase 3), so both commit exactly the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -57,6 +60,23 @@ class TurnRouting:
     chunk: bytes
 
 
+@dataclass(frozen=True)
+class PreparedTurn:
+    """A turn after phase 1: what the engine is asked and what phase 3 commits against."""
+
+    meta: SessionMeta
+    request: ChatCompletionRequest
+    model: SessionModel
+    plan: TurnPlan | TreeTurnPlan
+    budget: CompletionBudget
+    routing_start: int | None
+    attributes: dict[str, str]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.plan.prompt.prompt_ids
+
+
 def _upstream_error_kind(error: MilesError) -> str:
     if isinstance(error, UpstreamAbortedError):
         return "aborted"
@@ -91,15 +111,32 @@ class TurnRunner:
         """The chat.completion body of one turn (MilesError subclasses for every refusal)."""
         started_s = time.perf_counter()
         try:
-            body = await self._run(meta, request)
+            turn = await self.prepare(meta, request)
+            with tracer.start_as_current_span("session.upstream", attributes=turn.attributes) as span:
+                phase_started_s = time.perf_counter()
+                completion = await self._generate(turn)
+                span.set_attribute("miles.weight_version", completion.weight_version)
+                self._observe_phase("upstream", phase_started_s)
+            body = await self.finish(turn, completion)
         except MilesError as exc:
-            self._metrics.turns.labels(result="failed").inc()
-            self._metrics.turn_errors.labels(code=exc.code).inc()
+            self.count_failure(exc)
             raise
+        self.count_answered(body, started_s)
+        return body
+
+    def count_failure(self, exc: MilesError) -> None:
+        self._metrics.turns.labels(result="failed").inc()
+        self._metrics.turn_errors.labels(code=exc.code).inc()
+
+    def count_answered(self, body: Json, started_s: float) -> None:
         recorded = body["miles"]["recorded"]
         self._metrics.turns.labels(result="recorded" if recorded else "not_recorded").inc()
         self._metrics.turn_duration_s.observe(time.perf_counter() - started_s)
-        return body
+
+    def count_upstream_error(self, exc: MilesError) -> None:
+        if isinstance(exc, UpstreamRoutingMismatchError):
+            self._metrics.routing_row_mismatches.inc()
+        self._metrics.upstream_errors.labels(kind=_upstream_error_kind(exc)).inc()
 
     async def _prepare(self, meta: SessionMeta, model: SessionModel, request: ChatCompletionRequest) -> TurnPlan:
         async with self._store.locked_state(meta.session_id) as state:
@@ -142,58 +179,63 @@ class TurnRunner:
             max_new_tokens_cap=meta.model.max_new_tokens,
         )
 
-    async def _generate(
-        self,
-        meta: SessionMeta,
-        model: SessionModel,
-        request: ChatCompletionRequest,
-        prompt_ids: list[int],
-        budget: CompletionBudget,
-        routing_start: int | None,
-    ) -> tuple[Completion, TurnRouting | None]:
-        """The completion and, when `routing_start` is given, its checked routing rows from that position on. A
-        LoRA job's turn is served with the job's live adapter and records its version (adapters.py)."""
+    def upstream_args(self, turn: PreparedTurn) -> dict[str, Any]:
+        """The EngineClient arguments of `turn` (all but `stream` and `lora_path`)."""
+        meta = turn.meta
         params = openai_format.sampling_params(
-            meta.model.sampling_defaults, request, stop_token_ids=model.tito.stop_token_ids, budget=budget
+            meta.model.sampling_defaults,
+            turn.request,
+            stop_token_ids=turn.model.tito.stop_token_ids,
+            budget=turn.budget,
         )
+        return {
+            "input_ids": turn.prompt_ids,
+            "sampling_params": params,
+            "routing_key": meta.session_id,
+            "pool": meta.model.engine_pool,
+            "routed_experts_start_len": turn.routing_start,
+            "min_weight_version": pinned_weight_version(meta.metadata),
+        }
+
+    async def _generate(self, turn: PreparedTurn) -> Completion:
+        """The completion of a non-streamed turn. A LoRA job's turn is served with the job's live adapter and
+        records its version (adapters.py)."""
+        args = self.upstream_args(turn)
 
         async def call(lora_path: str | None) -> Completion:
-            return await self._engine.generate(
-                input_ids=prompt_ids,
-                sampling_params=params,
-                stream=request.stream,
-                routing_key=meta.session_id,
-                pool=meta.model.engine_pool,
-                routed_experts_start_len=routing_start,
-                lora_path=lora_path,
-                min_weight_version=pinned_weight_version(meta.metadata),
-            )
+            return await self._engine.generate(**args, stream=False, lora_path=lora_path)
 
-        adapter = await self._adapters.wait_live(meta.job_id) if meta.model.lora_adapter else None
+        meta = turn.meta
         try:
+            adapter = await self._adapters.wait_live(meta.job_id) if meta.model.lora_adapter else None
             if adapter is None:
-                completion = await call(None)
-            else:
-                completion = await self._adapters.generate(meta.job_id, adapter, call)
-            if routing_start is None or model.routing is None:
-                return completion, None
+                return await call(None)
+            return await self._adapters.generate(meta.job_id, adapter, call)
+        except MilesError as exc:
+            self.count_upstream_error(exc)
+            raise
+
+    async def _turn_routing(self, turn: PreparedTurn, completion: Completion) -> TurnRouting | None:
+        """The completion's checked routing rows from `turn.routing_start` on (None when not recorded)."""
+        if turn.routing_start is None or turn.model.routing is None:
+            return None
+        try:
             # In a worker thread: a long first prompt of a large MoE model is millions of ids to check and pack.
             chunk = await asyncio.to_thread(
                 routing.turn_chunk,
                 completion.routed_experts,
-                model.routing,
-                start=routing_start,
-                num_prompt_tokens=len(prompt_ids),
+                turn.model.routing,
+                start=turn.routing_start,
+                num_prompt_tokens=len(turn.prompt_ids),
                 num_completion_tokens=len(completion.output_ids),
             )
-            return completion, TurnRouting(routing_start, chunk)
         except MilesError as exc:
-            if isinstance(exc, UpstreamRoutingMismatchError):
-                self._metrics.routing_row_mismatches.inc()
-            self._metrics.upstream_errors.labels(kind=_upstream_error_kind(exc)).inc()
+            self.count_upstream_error(exc)
             raise
+        return TurnRouting(turn.routing_start, chunk)
 
-    async def _run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
+    async def prepare(self, meta: SessionMeta, request: ChatCompletionRequest) -> PreparedTurn:
+        """Phase 1 and the checks before the engine is called (nothing is written)."""
         attributes = {"miles.session_id": meta.session_id, "miles.job_id": meta.job_id}
         model = await self._models.get(meta.model)
         if request.parent_node_id is not None and not meta.tree:
@@ -208,8 +250,8 @@ class TurnRunner:
                 plan = await prepare_tree_turn(self._store, meta, model, request, self._tree_limits)
             else:
                 plan = await self._prepare(meta, model, request)
-            prompt_ids = plan.prompt.prompt_ids
             self._observe_phase("prepare", phase_started_s)
+        prompt_ids = plan.prompt.prompt_ids
         routing_start = None
         if model.routing is not None:
             routing_start = routing.start_row(len(plan.prompt.stored_ids), plan.prompt.num_trimmed_tokens)
@@ -218,14 +260,15 @@ class TurnRunner:
             check_tree_room(meta.session_id, plan, len(prompt_ids), budget.max_new_tokens, self._tree_limits)
         if budget.clamped_from is not None:
             self._metrics.max_tokens_clamped.inc()
-        with tracer.start_as_current_span("session.upstream", attributes=attributes) as span:
-            phase_started_s = time.perf_counter()
-            completion, turn_routing = await self._generate(meta, model, request, prompt_ids, budget, routing_start)
-            span.set_attribute("miles.weight_version", completion.weight_version)
-            self._observe_phase("upstream", phase_started_s)
-        message = self._assistant_message(model, plan, completion)
+        return PreparedTurn(meta, request, model, plan, budget, routing_start, attributes)
+
+    async def finish(self, turn: PreparedTurn, completion: Completion, *, completion_id: str | None = None) -> Json:
+        """Phase 3 for a finished generation: routing checked, the message parsed, the turn committed; the body."""
+        turn_routing = await self._turn_routing(turn, completion)
+        meta, plan, prompt_ids = turn.meta, turn.plan, turn.prompt_ids
+        message = self._assistant_message(turn.model, plan, completion)
         tree: Json | None = None
-        with tracer.start_as_current_span("session.commit", attributes=attributes):
+        with tracer.start_as_current_span("session.commit", attributes=turn.attributes):
             phase_started_s = time.perf_counter()
             if isinstance(plan, TreeTurnPlan):
                 outcome, tree = await self._commit_node(meta, plan, prompt_ids, completion, message, turn_routing)
@@ -235,7 +278,7 @@ class TurnRunner:
         if turn_routing is not None and outcome is CommitOutcome.COMMITTED:
             self._metrics.routing_bytes.inc(len(turn_routing.chunk))
         self._count_tokens(meta, plan, prompt_ids, completion)
-        body = self._body(meta, model, request, plan, prompt_ids, completion, message, outcome, budget)
+        body = self._body(turn, completion, message, outcome, completion_id or f"chatcmpl-{uuid.uuid4().hex}")
         if tree is not None:
             body["miles"]["tree"] = tree
         return body
@@ -302,28 +345,19 @@ class TurnRunner:
         )
         return await self._store.commit(meta.session_id, commit)
 
-    def _body(
-        self,
-        meta: SessionMeta,
-        model: SessionModel,
-        request: ChatCompletionRequest,
-        plan: TurnPlan | TreeTurnPlan,
-        prompt_ids: list[int],
-        completion: Completion,
-        message: Json,
-        outcome: CommitOutcome,
-        budget: CompletionBudget,
-    ) -> Json:
+    @staticmethod
+    def _body(turn: PreparedTurn, completion: Completion, message: Json, outcome: CommitOutcome, cid: str) -> Json:
         recorded = outcome is CommitOutcome.COMMITTED
+        plan, budget = turn.plan, turn.budget
         return openai_format.completion_body(
-            completion_id=f"chatcmpl-{uuid.uuid4().hex}",
+            completion_id=cid,
             created=int(time.time()),
-            model=request.model or model.name,
+            model=turn.request.model or turn.model.name,
             message=message,
             finish=openai_format.finish_reason(message, completion.finish_type),
-            usage_body=openai_format.usage(len(prompt_ids), len(completion.output_ids), completion.cached_tokens),
+            usage_body=openai_format.usage(len(turn.prompt_ids), len(completion.output_ids), completion.cached_tokens),
             miles={
-                "session_id": meta.session_id,
+                "session_id": turn.meta.session_id,
                 "turn_index": plan.num_kept_records,
                 "recorded": recorded,
                 "not_recorded_reason": None if recorded else outcome.value,

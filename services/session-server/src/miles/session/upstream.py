@@ -6,10 +6,10 @@ routing also `return_routed_experts: true` and `routed_experts_start_len` (sglan
 `meta_info.routed_experts`, on the final chunk when streaming, is kept raw in the Completion); for a LoRA job's turn
 `lora_path` (the job's live adapter, adapters.py); for a session whose metadata has `min_weight_version` (an
 evaluation episode pinned to a version) the `X-Miles-Min-Weight-Version` header. The body is built field by field
-here: nothing of the agent's request passes through except the sampling parameters openai_format picks. Response
-(docs/sglang-protocol.md §1.3-1.4): the sampled ids come from `meta_info.output_token_logprobs`, 3-element
-entries `[logprob, token_id, text|null]`; `finish_reason` is an object `{type: stop|length|abort, matched?}`.
-Streaming tolerates both cumulative and delta chunks (the rule: `completion_tokens` is always cumulative).
+here: nothing of the agent's request passes through except the sampling parameters openai_format picks. The answer
+is parsed by generate_wire.py (docs/sglang-protocol.md §1.3-1.4). `generate` returns the finished Completion;
+`open_stream` returns the open answer once its status is 200 (a streamed turn relays its ids as they arrive,
+streaming.py), so that every refusal before that is still an HTTP error for the agent.
 
 Errors: unreachable, timed out, 5xx/429 or an aborted generation -> 503 with Retry-After (nothing recorded, the
 agent retries the same request); 400 -> 400 with the engine's message; 409 -> 409; anything malformed -> 502.
@@ -20,8 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -32,6 +31,7 @@ from miles.common.contracts.headers import (
     ROUTING_KEY_HEADER,
     SESSION_MIN_WEIGHT_VERSION_KEY,
 )
+from miles.common.errors import MilesError
 from miles.common.http_client import ENGINE_KEEPALIVE_EXPIRY_S, traced_async_client
 from miles.session.errors import (
     UpstreamConflictError,
@@ -39,51 +39,16 @@ from miles.session.errors import (
     UpstreamRejectedError,
     UpstreamUnavailableError,
 )
-from miles.session.records import FinishType, TurnRecord
+from miles.session.generate_wire import (
+    Completion,
+    StreamAccumulator,
+    UpstreamAbortedError,
+    malformed,
+    parse_entries,
+    parse_finished,
+)
 
-
-@dataclass(frozen=True)
-class Completion:
-    """One generation as the engine reported it."""
-
-    output_ids: list[int]
-    logprobs: list[float | None]
-    finish_type: FinishType
-    finish_matched: int | str | None
-    weight_version: str
-    cached_tokens: int
-    prompt_tokens: int
-    latency_s: float
-    routed_experts: str | None = None
-    """`meta_info.routed_experts` as sent (base64 of little-endian int32), when asked for; routing.py checks it.
-    Never part of the agent's answer."""
-
-    def record(
-        self,
-        *,
-        turn_index: int,
-        prompt_len: int,
-        num_trimmed_tokens: int,
-        messages_end: int,
-        routing_start_row: int | None,
-    ) -> TurnRecord:
-        """The TurnRecord that commits this generation at `turn_index` of its session (or tree path)."""
-        return TurnRecord(
-            turn_index=turn_index,
-            prompt_len=prompt_len,
-            num_trimmed_tokens=num_trimmed_tokens,
-            completion_ids=self.output_ids,
-            logprobs=self.logprobs,
-            weight_version=self.weight_version,
-            cached_tokens=self.cached_tokens,
-            prompt_tokens=self.prompt_tokens,
-            finish_type=self.finish_type,
-            finish_matched=self.finish_matched,
-            messages_end=messages_end,
-            created_at_unix_ms=int(time.time() * 1000),
-            upstream_latency_s=self.latency_s,
-            routing_start_row=routing_start_row,
-        )
+__all__ = ["Completion", "EngineClient", "UpstreamAbortedError", "UpstreamStream", "pinned_weight_version"]
 
 
 def pinned_weight_version(metadata: Mapping[str, Any]) -> int | None:
@@ -92,89 +57,6 @@ def pinned_weight_version(metadata: Mapping[str, Any]) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return None
     return value
-
-
-class UpstreamAbortedError(UpstreamUnavailableError):
-    """The engine aborted the generation (e.g. a weight update); retrying the same request regenerates it."""
-
-    code = "upstream_aborted"
-
-
-def _malformed(problem: str) -> UpstreamMalformedError:
-    return UpstreamMalformedError(f"malformed /generate response from the upstream: {problem}")
-
-
-def _logprob_entries(meta: Mapping[str, Any]) -> list[Any]:
-    entries = meta.get("output_token_logprobs")
-    if not isinstance(entries, list):
-        raise _malformed("meta_info.output_token_logprobs is missing (was return_logprob ignored?)")
-    return entries
-
-
-def _parse_entries(entries: list[Any]) -> tuple[list[int], list[float | None]]:
-    ids: list[int] = []
-    logprobs: list[float | None] = []
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, list | tuple) or len(entry) < 2:
-            raise _malformed(f"output_token_logprobs[{index}] is not a [logprob, token_id, text] entry")
-        logprob, token_id = entry[0], entry[1]
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise _malformed(f"output_token_logprobs[{index}] has token id {token_id!r}")
-        if logprob is not None and (isinstance(logprob, bool) or not isinstance(logprob, int | float)):
-            raise _malformed(f"output_token_logprobs[{index}] has logprob {logprob!r}")
-        ids.append(token_id)
-        logprobs.append(None if logprob is None else float(logprob))
-    return ids, logprobs
-
-
-def _int_field(meta: Mapping[str, Any], name: str, default: int) -> int:
-    value = meta.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _malformed(f"meta_info.{name} is {value!r}")
-    return value
-
-
-def parse_finished(
-    body: Any, *, num_prompt_tokens: int, latency_s: float, entries: list[Any] | None = None
-) -> Completion:
-    """A Completion from the final /generate object (`entries`: logprob entries accumulated from a stream)."""
-    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise _malformed("expected one JSON object with meta_info (batch responses are not used here)")
-    meta: dict[str, Any] = body["meta_info"]
-    ids, logprobs = _parse_entries(entries if entries is not None else _logprob_entries(meta))
-    completion_tokens = _int_field(meta, "completion_tokens", len(ids))
-    if completion_tokens != len(ids):
-        raise _malformed(f"{len(ids)} output_token_logprobs entries for completion_tokens={completion_tokens}")
-    output_ids = body.get("output_ids")
-    if isinstance(output_ids, list) and len(output_ids) == len(ids) and output_ids != ids:
-        raise _malformed("output_ids disagree with output_token_logprobs")
-    finish = meta.get("finish_reason")
-    if not isinstance(finish, dict) or finish.get("type") not in ("stop", "length", "abort"):
-        raise _malformed(f"finish_reason {finish!r} is not an object with type stop|length|abort")
-    if finish["type"] == "abort":
-        message = finish.get("message") or "aborted"
-        if finish.get("status_code") == 400:
-            raise UpstreamRejectedError(f"the engine rejected the request: {message}")
-        raise UpstreamAbortedError(f"the engine aborted the generation ({message}); retry", retry_after_s=1.0)
-    if not ids:
-        raise _malformed("the engine returned no tokens")
-    matched = finish.get("matched")
-    routed = meta.get("routed_experts")
-    if routed is not None and not isinstance(routed, str):
-        raise _malformed(f"meta_info.routed_experts is a {type(routed).__name__}, not a base64 string")
-    return Completion(
-        output_ids=ids,
-        logprobs=logprobs,
-        finish_type=FinishType(finish["type"]),
-        finish_matched=matched if isinstance(matched, int | str) and not isinstance(matched, bool) else None,
-        weight_version=str(meta.get("weight_version", "")),
-        cached_tokens=_int_field(meta, "cached_tokens", 0),
-        prompt_tokens=_int_field(meta, "prompt_tokens", num_prompt_tokens),
-        latency_s=latency_s,
-        routed_experts=routed,
-    )
 
 
 def _error_message(body: bytes) -> str:
@@ -216,7 +98,7 @@ class EngineClient:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def generate(
+    def _request(
         self,
         *,
         input_ids: list[int],
@@ -224,13 +106,10 @@ class EngineClient:
         stream: bool,
         routing_key: str,
         pool: str,
-        routed_experts_start_len: int | None = None,
-        lora_path: str | None = None,
-        min_weight_version: int | None = None,
-    ) -> Completion:
-        """One generation; with `routed_experts_start_len`, also the routed experts of positions from there on;
-        with `lora_path`, served with that loaded adapter; with `min_weight_version`, only by an engine at that
-        version or newer (the router's 409 otherwise)."""
+        routed_experts_start_len: int | None,
+        lora_path: str | None,
+        min_weight_version: int | None,
+    ) -> httpx.Request:
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params,
@@ -246,33 +125,99 @@ class EngineClient:
         headers = {ROUTING_KEY_HEADER: routing_key, POOL_HEADER: pool}
         if min_weight_version is not None:
             headers[MIN_WEIGHT_VERSION_HEADER] = str(min_weight_version)
-        started_s = time.perf_counter()
-        try:
-            async with self._client.stream("POST", "/generate", json=body, headers=headers) as response:
-                if response.status_code != 200:
-                    self._raise_for_status(response.status_code, await response.aread(), response.headers)
-                if stream:
-                    final, entries = await _read_stream(response.aiter_lines())
-                    return parse_finished(
-                        final,
-                        num_prompt_tokens=len(input_ids),
-                        latency_s=time.perf_counter() - started_s,
-                        entries=entries,
-                    )
-                raw = await response.aread()
-        except httpx.TimeoutException as exc:
-            raise UpstreamUnavailableError(
+        return self._client.build_request("POST", "/generate", json=body, headers=headers)
+
+    def _transport_error(self, exc: httpx.HTTPError) -> UpstreamUnavailableError:
+        if isinstance(exc, httpx.TimeoutException):
+            return UpstreamUnavailableError(
                 f"the upstream did not answer in time ({type(exc).__name__})", retry_after_s=self._retry_after_s
-            ) from exc
-        except httpx.TransportError as exc:
-            raise UpstreamUnavailableError(
-                f"the upstream is unreachable ({type(exc).__name__}: {exc})", retry_after_s=self._retry_after_s
-            ) from exc
+            )
+        return UpstreamUnavailableError(
+            f"the upstream is unreachable ({type(exc).__name__}: {exc})", retry_after_s=self._retry_after_s
+        )
+
+    async def generate(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        stream: bool,
+        routing_key: str,
+        pool: str,
+        routed_experts_start_len: int | None = None,
+        lora_path: str | None = None,
+        min_weight_version: int | None = None,
+    ) -> Completion:
+        """One generation; with `routed_experts_start_len`, also the routed experts of positions from there on;
+        with `lora_path`, served with that loaded adapter; with `min_weight_version`, only by an engine at that
+        version or newer (the router's 409 otherwise)."""
+        opened = await self.open_stream(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=stream,
+            routing_key=routing_key,
+            pool=pool,
+            routed_experts_start_len=routed_experts_start_len,
+            lora_path=lora_path,
+            min_weight_version=min_weight_version,
+        )
+        try:
+            if stream:
+                async for _ in opened.token_ids():
+                    pass
+                return opened.completion()
+            try:
+                raw = await opened.response.aread()
+            except httpx.HTTPError as exc:
+                raise self._transport_error(exc) from exc
+        finally:
+            await opened.aclose()
         try:
             parsed = json.loads(raw)
         except ValueError:
-            raise _malformed("the body is not JSON") from None
-        return parse_finished(parsed, num_prompt_tokens=len(input_ids), latency_s=time.perf_counter() - started_s)
+            raise malformed("the body is not JSON") from None
+        return parse_finished(parsed, num_prompt_tokens=len(input_ids), latency_s=opened.elapsed_s())
+
+    async def open_stream(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        stream: bool = True,
+        routing_key: str,
+        pool: str,
+        routed_experts_start_len: int | None = None,
+        lora_path: str | None = None,
+        min_weight_version: int | None = None,
+    ) -> UpstreamStream:
+        """The upstream's answer once its status is 200 (the body not read yet); the caller must `aclose()` it.
+        A refusal (status, unreachable) raises here, before anything reached the agent."""
+        request = self._request(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=stream,
+            routing_key=routing_key,
+            pool=pool,
+            routed_experts_start_len=routed_experts_start_len,
+            lora_path=lora_path,
+            min_weight_version=min_weight_version,
+        )
+        started_s = time.perf_counter()
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if response.status_code != 200:
+            try:
+                body = await response.aread()
+            except httpx.HTTPError as exc:
+                raise self._transport_error(exc) from exc
+            finally:
+                await response.aclose()
+            self._raise_for_status(response.status_code, body, response.headers)
+        return UpstreamStream(
+            response, num_prompt_tokens=len(input_ids), started_s=started_s, on_error=self._transport_error
+        )
 
     def _raise_for_status(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
         message = _error_message(body)
@@ -287,36 +232,52 @@ class EngineClient:
         raise UpstreamMalformedError(f"the upstream answered {status} to /generate: {message}")
 
 
-async def _read_stream(lines: AsyncIterator[str]) -> tuple[dict[str, Any], list[Any]]:
-    """(the last chunk, the accumulated logprob entries) of an SSE /generate stream."""
-    entries: list[Any] = []
-    last: dict[str, Any] | None = None
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            break
+class UpstreamStream:
+    """An open /generate answer (status 200): `token_ids()` yields the sampled ids as they arrive (streamed
+    requests), then `completion()` is the whole generation, checked as a non-streamed one. Transport failures while
+    reading are UpstreamUnavailableError; `aclose()` closes the connection (an unfinished generation is aborted
+    by the engine when its client goes away)."""
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        *,
+        num_prompt_tokens: int,
+        started_s: float,
+        on_error: Callable[[httpx.HTTPError], MilesError],
+    ) -> None:
+        self.response = response
+        self._num_prompt_tokens = num_prompt_tokens
+        self._started_s = started_s
+        self._on_error = on_error
+        self._state = StreamAccumulator()
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self._started_s
+
+    async def token_ids(self) -> AsyncIterator[list[int]]:
+        """The new sampled ids of each stream chunk (never empty), until the chunk with a finish_reason."""
+        num_seen = 0
         try:
-            chunk = json.loads(data)
-        except ValueError:
-            raise _malformed("a stream event is not JSON") from None
-        if isinstance(chunk, dict) and "error" in chunk:
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
-            if error.get("code") == 400:
-                raise UpstreamRejectedError(f"the engine rejected the request: {error.get('message')}")
-            raise UpstreamMalformedError(f"the upstream stream failed: {error.get('message')}")
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
-            raise _malformed("a stream event has no meta_info")
-        new_entries = _logprob_entries(chunk["meta_info"])
-        cumulative = chunk["meta_info"].get("completion_tokens")
-        if isinstance(cumulative, int) and len(new_entries) == cumulative and len(new_entries) >= len(entries):
-            entries = list(new_entries)  # cumulative chunks (SGLang's default)
-        else:
-            entries.extend(new_entries)  # delta chunks (--incremental-streaming-output)
-        last = chunk
-        if chunk["meta_info"].get("finish_reason") is not None:
-            break
-    if last is None or last["meta_info"].get("finish_reason") is None:
-        raise _malformed("the stream ended before a chunk with a finish_reason")
-    return last, entries
+            async for line in self.response.aiter_lines():
+                self._state.feed(line)
+                if len(self._state.entries) > num_seen:
+                    new_ids, _ = parse_entries(self._state.entries[num_seen:])
+                    num_seen = len(self._state.entries)
+                    yield new_ids
+                if self._state.finished:
+                    return
+        except httpx.HTTPError as exc:
+            raise self._on_error(exc) from exc
+
+    def completion(self) -> Completion:
+        """The finished generation (after `token_ids()` ended); UpstreamMalformedError when it never finished."""
+        return parse_finished(
+            self._state.final(),
+            num_prompt_tokens=self._num_prompt_tokens,
+            latency_s=self.elapsed_s(),
+            entries=self._state.entries,
+        )
+
+    async def aclose(self) -> None:
+        await self.response.aclose()

@@ -57,6 +57,11 @@ def _token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+_RELEASE_GIL_CHARS = 16 * 1024
+"""Texts longer than this are encoded with `encode_batch`, which releases the GIL (`encode` holds it: ~1 s for a
+2 MB text, during which a server's event loop, whatever thread the encode runs in, serves nothing)."""
+
+
 class HFTokenizerCodec:
     """A Hugging Face fast tokenizer read from `tokenizer.json` (+ `tokenizer_config.json` for BOS/EOS)."""
 
@@ -95,6 +100,8 @@ class HFTokenizerCodec:
         return cls(Tokenizer.from_str(tokenizer_json), config, name=name)
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > _RELEASE_GIL_CHARS:  # the same ids; `encode_batch` runs without the GIL (see above)
+            return list(self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def encode_plain(self, text: str) -> list[int]:

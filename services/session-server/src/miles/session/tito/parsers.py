@@ -215,6 +215,11 @@ _SECTION_OPENERS: dict[ToolCallFormat, str] = {
 }
 
 
+def section_opener(fmt: ToolCallFormat) -> str | None:
+    """The text that opens `fmt`'s tool-call section (None: the format has none); text before it is content."""
+    return _SECTION_OPENERS.get(fmt)
+
+
 def _calls_in_section(fmt: ToolCallFormat, section: str, types: ParamTypes) -> list[ParsedToolCall]:
     if fmt is ToolCallFormat.HERMES:
         return [_hermes_call(block) for block in _HERMES.findall(section)]

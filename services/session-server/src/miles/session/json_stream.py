@@ -1,0 +1,66 @@
+"""Large JSON answers written piece by piece, so that they do not hold the event loop (head-of-line blocking).
+
+A session's `GET` can be ~100 MB of JSON (token ids, every record's ids and logprobs, the history). `json.dumps`
+of it holds the GIL, and with it the event loop of every live turn of this replica, for its whole run, wherever
+it runs (a worker thread does not help a C call that never releases the GIL), and FastAPI's `jsonable_encoder`
+would first walk every element in Python on the loop. Here the value is encoded one bounded piece at a time (a
+list of scalars in slices of SLICE_ITEMS, a dict key by key) and the loop is handed back after every
+~PIECE_BYTES, so a live turn waits for one piece (about a millisecond), not for the whole body.
+The output is the JSON Starlette's JSONResponse writes (compact separators, UTF-8, NaN refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+SLICE_ITEMS = 8192
+PIECE_BYTES = 64 * 1024
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, dict | list | tuple)
+
+
+def encode_pieces(value: Any) -> Iterator[str]:
+    """The JSON text of `value` in pieces that each cost a bounded amount of work."""
+    if isinstance(value, dict):
+        yield "{"
+        for index, (key, item) in enumerate(value.items()):
+            yield ("," if index else "") + _dumps(str(key)) + ":"
+            yield from encode_pieces(item)
+        yield "}"
+    elif isinstance(value, list | tuple):
+        yield "["
+        if value and not _is_container(value[0]):  # scalars (our arrays are homogeneous): C-speed slices
+            for start in range(0, len(value), SLICE_ITEMS):
+                yield ("," if start else "") + _dumps(value[start : start + SLICE_ITEMS])[1:-1]
+        else:
+            for index, item in enumerate(value):
+                if index:
+                    yield ","
+                yield from encode_pieces(item)
+        yield "]"
+    else:
+        yield _dumps(value)
+
+
+async def json_body(value: Any) -> AsyncIterator[bytes]:
+    """`value` as UTF-8 JSON chunks of about PIECE_BYTES, yielding to the event loop between them."""
+    buffer: list[str] = []
+    size = 0
+    for piece in encode_pieces(value):
+        buffer.append(piece)
+        size += len(piece)
+        if size >= PIECE_BYTES:
+            yield "".join(buffer).encode()
+            buffer, size = [], 0
+            await asyncio.sleep(0)  # a send to an unpaused transport does not suspend: let live turns run
+    if buffer:
+        yield "".join(buffer).encode()

@@ -1,0 +1,33 @@
+"""A large answer written in pieces is the same JSON as one written at once, and no piece is large."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from miles.session.json_stream import PIECE_BYTES, SLICE_ITEMS, encode_pieces, json_body
+
+VIEW: dict[str, Any] = {
+    "session_id": "s1",
+    "messages": [{"role": "user", "content": 'héllo 🎉 "quoted"\n' * 50}, {"role": "assistant", "content": ""}],
+    "accumulated_token_ids": list(range(3 * SLICE_ITEMS + 5)),
+    "records": [{"completion_ids": [7] * (SLICE_ITEMS + 1), "logprobs": [-0.5, None] * 10, "finish": "stop"}],
+    "tools": [],
+    "empty": {},
+    "tito_session_mismatch": None,
+    "nested": [[1, 2], [], [{"a": [True, False, 1.25]}]],
+}
+
+
+async def test_the_pieces_add_up_to_the_json_of_the_whole_value() -> None:
+    chunks = [chunk async for chunk in json_body(VIEW)]
+    assert json.loads(b"".join(chunks)) == VIEW
+    assert len(chunks) > 1 and all(len(chunk) < 4 * PIECE_BYTES for chunk in chunks)
+    assert max(len(piece) for piece in encode_pieces(VIEW)) < 8 * SLICE_ITEMS
+
+
+def test_nan_is_refused_as_starlette_does() -> None:
+    with pytest.raises(ValueError, match="JSON compliant"):
+        "".join(encode_pieces({"logprobs": [float("nan")]}))
