@@ -28,6 +28,8 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - {from: buffer, to: redis, port: redis}
 - {from: rollout-worker, to: redis, port: redis}
 - {from: rollout-router, to: engine, port: http}
+# A job's inference pools (judge, teacher): the router serves their sessions and the teacher's scoring.
+- {from: rollout-router, to: inference-engine, port: http}
 # Weight loads (/update_weights_*, pause, version) by the daemon next to the engine.
 - {from: weight-sync, to: engine, port: http, perJob: true}
 # The nccl transport runs in the trainer and sets up its update groups over the engines' HTTP API...
@@ -86,6 +88,7 @@ Logical components map to pods through miles.podComponent (weight-sync runs in e
 - trainer
 - rollout-worker
 - env-server
+- inference-engine
 {{- if .Values.leaderWorkerSet.enabled }}
 - engine-worker
 {{- end }}
@@ -102,7 +105,7 @@ engine
 
 {{/* Every pod component of the platform (shared, per job, and the shared pools' engines), as a YAML list. */}}
 {{- define "miles.podComponents" -}}
-{{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" "env-server" -}}
+{{- $all := list "controller" "session-server" "rollout-router" "buffer" "sandbox-gateway" "redis" "engine" "weight-sync" "weight-sync-origin" "trainer" "rollout-worker" "env-server" "inference-engine" -}}
 {{- if .Values.sharedPools }}{{ $all = append $all "shared-engine" }}{{ end -}}
 {{- if .Values.leaderWorkerSet.enabled }}{{ $all = append $all "engine-worker" }}{{ end -}}
 {{- $pods := list -}}
@@ -114,7 +117,7 @@ engine
 {{- define "miles.metricsPorts" -}}
 {{- if has .component (list "controller" "session-server" "rollout-router" "rollout-worker") -}}
 [http]
-{{- else if eq .component "shared-engine" -}}
+{{- else if has .component (list "shared-engine" "inference-engine") -}}
 [http]
 {{- else if eq .component "engine" -}}
 {{- if eq .root.Values.jobTemplates.weightSync.mode "sidecar" }}[http, metrics]{{ else }}[http]{{ end -}}

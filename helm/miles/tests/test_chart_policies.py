@@ -42,6 +42,7 @@ DESIGNED_FLOWS = {
     ("buffer", "redis", "redis"),
     ("rollout-worker", "redis", "redis"),
     ("rollout-router", "engine", "http"),
+    ("rollout-router", "inference-engine", "http"),  # a job's judge / teacher pools
     ("weight-sync", "engine", "http*"),
     ("trainer", "engine", "http*"),
     # every port but the ranks' rendezvous store (masterPort, 29500): NCCL's update groups use ephemeral ports.

@@ -221,17 +221,16 @@ async def test_the_trainer_pod_publishes_to_the_jobs_origin_with_the_spec_transp
         assert api.of_job("jk8s0000013") == []
 
 
-async def test_pools_the_chart_has_no_templates_for_are_refused_before_anything_is_created(
+async def test_a_judge_pool_of_an_engine_kind_the_chart_does_not_run_is_refused_before_anything_is_created(
     job_templates: dict[str, str], controller_kit: Any
 ) -> None:
-    """A job with a judge / teacher pool runs on the local backend only (shared LoRA engine pools:
-    test_controller_kubernetes_shared_pool.py)."""
-    judged = _spec(controller_kit, inference_pools=[{"name": "judge", "model_path": "/models/judge"}])
+    """The chart renders one engine image (pools it can run: test_controller_kubernetes_inference_pools.py)."""
+    judged = _spec(controller_kit, inference_pools=[{"name": "judge", "model_path": "/models/judge", "kind": "cpu"}])
     async with fake_cluster(job_templates) as (api, _, backend):
-        with pytest.raises(InvalidArgumentError, match="local backend only") as refused:
+        with pytest.raises(InvalidArgumentError, match="runs 'sglang' engines") as refused:
             await backend.check_spec(judged)
-        assert refused.value.field == "inference_pools"
-        with pytest.raises(InvalidArgumentError):
+        assert refused.value.field == "inference_pools[0].kind"
+        with pytest.raises(FailedPreconditionError):  # the chart may change after submission
             await backend.start("jk8spool002", judged)
         assert api.of_job("jk8spool002") == []
 

@@ -19,7 +19,8 @@ clients: the backend creates what it returns, in this order:
   label `miles.dev/job`, the router pool of the job's engines, and every per-job process's `job_id`.
 - `${MODEL_PATH}` (`model_path`): the HF checkpoint directory (under the chart's `jobTemplates.modelMountPath`),
   read by the engines, the trainer and weight-sync (`model_config_dir`); SGLang also accepts a Hub id.
-- `${ENGINE_REPLICAS}` (`engine_replicas`): engine pods, i.e. this job's share of the rollout pool.
+- `${ENGINE_REPLICAS}` (`engine_replicas`): engine pods, i.e. this job's share of the rollout pool (the engine
+  HPA's minimum when the chart autoscales engines: `engine-hpa.yaml`).
 - `${ENGINE_GPUS}` (`engine_gpus`): `nvidia.com/gpu` per SGLang pod. `${TP_SIZE}` (`tp_size`): `--tp-size`.
 - `${ENGINE_NODES}` (`engine_nodes`): pods (nodes) of one engine replica, `--nnodes` (multi-node engines only).
 - `${ROLLOUT_WORKER_REPLICAS}` (`rollout_worker_replicas`): rollout-worker pods (the HPA's minimum when the chart
@@ -43,6 +44,10 @@ renders only when it declares pools, never instantiated).
 **Node pools**: for a job that names one (`resources.<pool>.node_pool`),
 `miles.controller.backends.kubernetes_placement` gives the workloads of that pool the placement the chart describes
 for it under the key NODE_POOLS_KEY (the chart's `nodePools`; data, never instantiated).
+
+**Inference pools** (judge, teacher: the spec's `inference_pools`): the templates whose keys start with
+`inference-pool-` are skipped here and filled once per pool, with the pool's placeholders, by
+`miles.controller.backends.kubernetes_inference_pools`.
 
 **The spec ConfigMap** `<fullname>-<job>-spec` is mounted read-only at `/etc/miles/job` in every per-job pod. Keys
 (all required, `{}` when a process needs nothing from the spec):
@@ -104,6 +109,10 @@ SHARED_POOLS_KEY = "shared-pools.json"
 NODE_POOLS_KEY = "node-pools.json"
 """Key of the release's node pools (the chart's `nodePools`: name -> nodeSelector, tolerations, affinity), read for
 jobs that name a pool (`miles.controller.backends.kubernetes_placement`), never instantiated."""
+
+INFERENCE_POOL_TEMPLATE_PREFIX = "inference-pool-"
+"""Keys of the templates of one inference pool (judge, teacher): filled once per pool of a job with the pool's own
+placeholders (`miles.controller.backends.kubernetes_inference_pools`), never by `instantiate_job_templates`."""
 
 _DATA_KEYS = (SPEC_TEMPLATE_KEY, SHARED_POOLS_KEY, NODE_POOLS_KEY)
 """Keys of the templates ConfigMap that `instantiate_job_templates` does not fill."""
@@ -278,7 +287,7 @@ def _check_name(obj: Mapping[str, Any]) -> None:
 def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateParams) -> list[dict[str, Any]]:
     """Every object of every template except the spec ConfigMap, SHARED_POOLS_KEY and NODE_POOLS_KEY (data), keys
     sorted, placeholders filled; the environment server's (`env-server-*`) only for a job with an environment,
-    whose workers are then wired to it.
+    whose workers are then wired to it; the inference pools' (INFERENCE_POOL_TEMPLATE_PREFIX) never.
 
     Raises InvalidArgumentError when a template uses a placeholder this version does not know (so that a chart
     newer than the controller fails loudly instead of creating objects with `${...}` in them), when a value is
@@ -302,6 +311,7 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
     unused_engine = ENGINE_TEMPLATE_KEY if params.engine_nodes > 1 else ENGINE_LWS_TEMPLATE_KEY
     for name in sorted(templates):
         skipped = name == unused_engine or (params.environment is None and name.startswith(ENV_SERVER_TEMPLATE_PREFIX))
+        skipped = skipped or name.startswith(INFERENCE_POOL_TEMPLATE_PREFIX)
         if name not in _DATA_KEYS and not skipped:
             objects += _fill(name, templates[name], values)
     for obj in objects:

@@ -2,8 +2,9 @@
 
 Counters are incremented as requests go; per-engine gauges (in flight, queue depth, health, weight version, sticky
 keys, tree size) are read from the registry at scrape time by `EngineCollector`, so a removed engine's series
-disappear with it. Labels are bounded: pool (one per job), policy (4 values), route (3), reason/branch (fixed
-sets) and engine (bounded by the registry).
+disappear with it; so are the per-pool gauges (engines, prefix hit ratio, and the saturation ratio the engine
+pool's autoscaler scales on). Labels are bounded: pool (one per job), policy (4 values), route (3), reason/branch
+(fixed sets) and engine (bounded by the registry).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ FAILURE_REASONS = (
     "invalid_input",
 )
 ENGINE_OUTCOMES = ("ok", "client_error", "server_error", "connect_error", "broken")
+POOL_SATURATION_METRIC = "pool_saturation_ratio"
+"""`miles_router_pool_saturation_ratio{pool}`: what the chart's per-job engine HPA scales on (`pool_saturation`)."""
 
 
 class RouterMetrics:
@@ -168,11 +171,20 @@ class EngineCollector(Collector):
             self._name("prefix_hit_ratio"), "cached / prompt tokens since start, per pool", labels=["pool", "policy"]
         )
         num_engines = GaugeMetricFamily(self._name("pool_engines"), "Engines registered per pool", labels=["pool"])
+        saturation = GaugeMetricFamily(
+            self._name(POOL_SATURATION_METRIC),
+            "Requests in flight or queued over the concurrency slots of the pool's engines, at this router replica "
+            "(0 without engines); above 1 requests wait in the router's queues",
+            labels=["pool"],
+        )
+        ratios = pool_saturation(engines)
         for stats in self._pools():
             hit_rate.add_metric([stats.pool, stats.policy], stats.prefix_hit_rate)
             num_engines.add_metric([stats.pool], stats.num_engines)
+            saturation.add_metric([stats.pool], ratios.get(stats.pool, 0.0))
         yield hit_rate
         yield num_engines
+        yield saturation
 
     def _engine_gauges(self, engines: Iterable[EngineSnapshot], labels: list[str]) -> Iterator[Metric]:
         families = {
@@ -220,6 +232,18 @@ class EngineCollector(Collector):
             families["sticky"].add_metric(values, engine.num_sticky_keys)
             families["tree"].add_metric(values, engine.cache_tree_tokens)
         yield from families.values()
+
+
+def pool_saturation(engines: Iterable[EngineSnapshot]) -> dict[str, float]:
+    """Per pool: requests in flight plus queued over the concurrency slots of its registered engines (draining,
+    paused or unhealthy ones included, so that a weight update's pause does not read as lost capacity). The signal
+    of the engine pool's autoscaler (docs/operations.md): at 1 every slot is taken; above it requests wait here."""
+    load: dict[str, int] = {}
+    slots: dict[str, int] = {}
+    for engine in engines:
+        load[engine.pool] = load.get(engine.pool, 0) + engine.in_flight + engine.queued
+        slots[engine.pool] = slots.get(engine.pool, 0) + engine.max_concurrency
+    return {pool: load[pool] / slots[pool] if slots[pool] else 0.0 for pool in load}
 
 
 def remove_labels(counter: Counter | Histogram, *labels: str) -> None:

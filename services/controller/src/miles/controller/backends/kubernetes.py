@@ -6,8 +6,9 @@ Deployment of SGLang pods with weight-sync, weight-sync origin, rollout-worker D
 Services, NetworkPolicies) with an ownerReference to it; objects that already exist are adopted (409 is fine), so
 `start` after a controller restart creates only what is missing. `stop` deletes the spec ConfigMap and Kubernetes'
 garbage collector deletes the rest. `resize` patches the engine / rollout-worker Deployments' replicas (and the
-rollout workers' HPA bounds when the chart autoscales them). `observe` reads the Deployments' and StatefulSet's
-ready replicas and trainer rank 0's gRPC `Status` (step, weight version, last-step metrics, FINISHED / FAILED).
+bounds of their HPAs when the chart autoscales them: `kubernetes_autoscaling`). `observe` reads the Deployments'
+and StatefulSet's ready replicas and trainer rank 0's gRPC `Status` (step, weight version, last-step metrics,
+FINISHED / FAILED).
 
 The official client is synchronous; every call runs in a worker thread (`asyncio.to_thread`).
 
@@ -27,6 +28,9 @@ engines or weight-sync of its own, and a trainer that publishes adapters into th
 A job that names node pools (`resources.<pool>.node_pool`) gets those pools' placement on its engines, rollout
 workers and trainer (`miles.controller.backends.kubernetes_placement`); `check_spec` refuses a pool the chart's
 `nodePools` do not define.
+
+A job with inference pools (judge, teacher) also gets each pool's engines and Service, and its workers the pools'
+router pools (`miles.controller.backends.kubernetes_inference_pools`); RUNNING waits for those engines too.
 
 A job whose engine replica spans nodes (`resources.engines.nodes_per_replica` > 1) gets the chart's engine
 LeaderWorkerSet instead of the engine Deployment, created, observed and resized through
@@ -58,8 +62,9 @@ from kubernetes.client.exceptions import ApiException
 from miles.common.errors import FailedPreconditionError, InvalidArgumentError, MilesError, UnavailableError
 from miles.common.grpc_client import create_channel
 from miles.common.jobspec.job import JobSpec
-from miles.controller.backends import kubernetes_kueue, kubernetes_lws
+from miles.controller.backends import kubernetes_inference_pools, kubernetes_kueue, kubernetes_lws
 from miles.controller.backends.base import JobProgress, SharedServices
+from miles.controller.backends.kubernetes_autoscaling import fitted_autoscalers
 from miles.controller.backends.kubernetes_job_spec import chart_problem, spec_files, template_params
 from miles.controller.backends.kubernetes_limits import kubernetes_problem
 from miles.controller.backends.kubernetes_placement import place_on_node_pools
@@ -228,13 +233,15 @@ class KubernetesJobBackend:
             raise FailedPreconditionError(problem[1])
         params = template_params(job_id, spec)
         job_objects = place_on_node_pools(instantiate_job_templates(templates, params), spec, templates)
-        files = spec_files(spec)
+        job_objects = fitted_autoscalers(job_objects)  # HPA bounds; the engine HPA on the LWS of multi-node engines
+        files = kubernetes_inference_pools.inference_pool_files(spec_files(spec), job_id, spec)
         if spec.resources.engines.shared_pool is not None:
             job_objects, files = place_on_shared_pool(templates, job_id, spec, self.shared, job_objects, files)
         elif await self._engines_record_routing(spec, record_routing):
             job_objects = with_engine_args(job_objects, [ENGINE_ROUTING_FLAG])
         if spec.kueue is not None:  # suspended until Kueue admits the job
             job_objects = self._held_for_kueue(spec, spec.kueue.queue_name, job_objects)
+        job_objects = [*job_objects, *kubernetes_inference_pools.inference_pool_objects(templates, job_id, spec)]
         spec_config_map = job_spec_config_map(templates, params, files)
         created_owner = await self._create_or_read(spec_config_map)
         tokens = job_tokens_secret(spec_config_map, {"sandbox-token": self.shared.tokens.sandbox_job(job_id)})
@@ -305,6 +312,9 @@ class KubernetesJobBackend:
             if held is not None:
                 return held
         pools, problem = await self._pools(job_id)
+        if spec.inference_pools:  # the judge / teacher pools' ready engines
+            ready = kubernetes_inference_pools.ready_inference_engines
+            pools["inference_engines"] = await self._call(ready, self.apps, self.namespace, job_id)
         shared_pool = spec.resources.engines.shared_pool
         if shared_pool is not None:  # the platform's engines: reported, never waited for
             pools["engines"] = await self._call(ready_engines, self.apps, self.namespace, templates, shared_pool)
@@ -343,7 +353,8 @@ class KubernetesJobBackend:
         }
         trainer_up = status is not None and status.state != trainer_pb2.TRAINER_STATE_STARTING
         all_ready = all(pools.get(pool, 0) >= size for pool, size in desired.items())
-        phase = "running" if trainer_up or all_ready else "starting"
+        inference_up = pools.get("inference_engines", 0) >= kubernetes_inference_pools.num_inference_engines(spec)
+        phase = "running" if (trainer_up or all_ready) and inference_up else "starting"
         return JobProgress(phase, step, weight_version, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms)  # type: ignore[arg-type]
 
     async def _pools(self, job_id: str) -> tuple[dict[str, int], str]:

@@ -10,6 +10,7 @@ from typing import Any
 from miles.common.jobspec.job import JobSpec
 from miles.controller.backends import kubernetes_lws
 from miles.controller.backends.base import barrier_settings
+from miles.controller.backends.kubernetes_inference_pools import inference_pool_problem
 from miles.controller.backends.kubernetes_placement import node_pool_problem
 from miles.controller.env_server_templates import EnvironmentServerParams
 from miles.controller.job_templates import JobTemplateParams, engine_kind_of
@@ -85,8 +86,10 @@ def engine_kind_problem(templates: Mapping[str, str], spec: JobSpec) -> str:
 
 
 def chart_problem(templates: Mapping[str, str], spec: JobSpec) -> tuple[str, str] | None:
-    """(field, why) of what this release's chart cannot give `spec`: its engine kind, a node pool it names."""
+    """(field, why) of what this release's chart cannot give `spec`: its engine kind, a node pool it names, its
+    inference pools."""
     kind_problem = engine_kind_problem(templates, spec)
     if kind_problem:
         return "resources.engines.kind", kind_problem
-    return kubernetes_lws.lws_problem(spec, templates) or node_pool_problem(spec, templates)
+    problem = kubernetes_lws.lws_problem(spec, templates) or node_pool_problem(spec, templates)
+    return problem or inference_pool_problem(spec, templates)

@@ -4,9 +4,9 @@ again at start, for a job accepted by another controller version).
 - `weight_sync.transport: disk`: needs a volume the trainer and the engines share, which the chart does not mount.
 - `rollout.environment.interpreter` / `python_path`: local environment servers only; on Kubernetes the server runs
   in the connector's image, which must import the connector itself.
-- `inference_pools` (judge / teacher pools): the local backend runs them; the chart has no per-job inference-engine
-  template yet, so such a job is refused rather than run with the wrong engines. (Shared LoRA engine pools do run:
-  `kubernetes_shared_pool`.)
+- `kueue` with `inference_pools`: the job's Kueue Workload has one podSet per workload, named by its component, and
+  the inference pools' Deployments share one; such a job is refused rather than admitted without its judge's GPUs.
+  (Inference pools themselves run: `kubernetes_inference_pools`, which also refuses what the chart cannot give them.)
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def kubernetes_problem(spec: JobSpec) -> tuple[str, str] | None:
                 "server runs in the connector's image (the chart's jobTemplates.envServer.images), which must "
                 "import the connector itself"
             )
-    if spec.inference_pools:
+    if spec.inference_pools and spec.kueue is not None:
         return "inference_pools", (
-            "inference pools (judge, teacher) run on the local backend only: the chart has no inference-engine "
-            "template yet"
+            "a job with inference pools (judge, teacher) cannot be admitted by Kueue yet (its Workload has no podSet "
+            "per pool); submit it without kueue"
         )
     return None
