@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from miles.session.json_stream import PIECE_BYTES, SLICE_ITEMS, encode_pieces, json_body
+from miles.session.json_stream import PIECE_BYTES, SLICE_ITEMS, encode_pieces, json_body, loads_array_in_pieces
 
 VIEW: dict[str, Any] = {
     "session_id": "s1",
@@ -31,3 +31,27 @@ async def test_the_pieces_add_up_to_the_json_of_the_whole_value() -> None:
 def test_nan_is_refused_as_starlette_does() -> None:
     with pytest.raises(ValueError, match="JSON compliant"):
         "".join(encode_pieces({"logprobs": [float("nan")]}))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        " [ ] ",
+        json.dumps(VIEW["messages"], ensure_ascii=False, separators=(",", ":")),
+        json.dumps(VIEW["messages"], indent=2),
+        '[1, "two", null, [3, {"four": 4}], {}]',
+        "[[]]",
+    ],
+)
+def test_an_array_parsed_element_by_element_equals_json_loads(text: str) -> None:
+    assert loads_array_in_pieces(text) == json.loads(text)
+    assert loads_array_in_pieces(text.encode()) == json.loads(text)
+
+
+@pytest.mark.parametrize("text", ["[1,]", "[1 2]", "[1", "[", "[1] x", "[,1]", "{]"])
+def test_a_malformed_array_is_refused_as_json_loads_refuses_it(text: str) -> None:
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    with pytest.raises(json.JSONDecodeError):
+        loads_array_in_pieces(text)

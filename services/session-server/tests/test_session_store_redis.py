@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from miles.session.errors import SessionBusyError
+from miles.session.record_codec import MAGIC
 from miles.session.records import (
     CommitOutcome,
     FinishType,
@@ -18,6 +19,7 @@ from miles.session.records import (
     SessionMeta,
     TurnCommit,
     TurnRecord,
+    dumps,
 )
 from miles.session.store_memory import MemoryStore
 from miles.session.store_redis import RedisStore
@@ -151,4 +153,18 @@ async def test_an_idempotency_key_is_claimed_once_lives_with_its_session_and_rot
         client = aioredis.Redis.from_url(redis_url)
         assert await client.keys("t:idem:*") == []
         await client.aclose()
+    await store.close()
+
+
+@pytest.mark.integration
+async def test_the_redis_store_keeps_records_in_the_binary_layout(redis_url: str) -> None:
+    store = make_store(redis_url)
+    await store.create(meta("rc1"))
+    await store.commit("rc1", commit(0, 0, [1, 2, 3], 2))
+    raw = await store._redis.lrange("t:s:{rc1}:records", 0, -1)
+    assert len(raw) == 1 and raw[0].startswith(MAGIC)
+    old = commit(1, 1, [1, 2, 3, 4, 5], 4).record
+    await store._redis.rpush("t:s:{rc1}:records", dumps(old.to_json()))  # a record a previous release stored
+    records = await store.load_records("rc1")
+    assert [r.completion_ids for r in records] == [[3], [5]] and records[1] == old
     await store.close()

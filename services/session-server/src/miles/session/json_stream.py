@@ -64,3 +64,38 @@ async def json_body(value: Any) -> AsyncIterator[bytes]:
             await asyncio.sleep(0)  # a send to an unpaused transport does not suspend: let live turns run
     if buffer:
         yield "".join(buffer).encode()
+
+
+_DECODER = json.JSONDecoder()
+_WHITESPACE = " \t\n\r"
+
+
+def loads_array_in_pieces(data: bytes | str) -> list[Any]:
+    """`json.loads` of a JSON array, one element per call: a long session's stored history (~10 MB of message
+    text) parsed in one call holds the GIL throughout; element by element, no call is longer than one message."""
+    text = data.decode() if isinstance(data, bytes) else data
+    start = len(text) - len(text.lstrip(_WHITESPACE))
+    if not text.startswith("[", start):
+        return list(json.loads(text))  # not an array: json.loads' own error or value
+    items: list[Any] = []
+    index = start + 1
+    while True:
+        while index < len(text) and text[index] in _WHITESPACE:
+            index += 1
+        if text.startswith("]", index) and not items:
+            index += 1
+            break
+        item, index = _DECODER.raw_decode(text, index)
+        items.append(item)
+        while index < len(text) and text[index] in _WHITESPACE:
+            index += 1
+        if text.startswith(",", index):
+            index += 1
+            continue
+        if not text.startswith("]", index):
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, index)
+        index += 1
+        break
+    if text[index:].strip(_WHITESPACE):
+        raise json.JSONDecodeError("Extra data", text, index)
+    return items

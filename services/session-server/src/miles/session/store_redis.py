@@ -4,7 +4,8 @@ Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together
 - `P:s:{id}` hash: meta (JSON), job, version, messages (JSON), ids (int32 little-endian), tools, ends,
   not_recorded, and optionally token (the token hash after a rotation; it overrides meta's) and idem (the name
   of its idempotency key). Expires ttl_s after creation or the last commit.
-- `P:s:{id}:records` list of TurnRecord JSON (appended per commit; trimmed by a rollback).
+- `P:s:{id}:records` list of TurnRecords, each a JSON header and its arrays as raw bytes (record_codec.py;
+  appended per commit; trimmed by a rollback).
 - `P:s:{id}:routing` list of packed routing chunks (R3), one per record, binary, appended and trimmed with the
   records; absent for sessions that do not record routing. Read only to build samples.
 - `P:s:{id}:nodes`, `:node_ids`, `:node_routing`: a tree session's nodes (store_redis_tree.py).
@@ -35,6 +36,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from miles.session.errors import SessionBusyError, StoreUnavailableError
+from miles.session.json_stream import loads_array_in_pieces
+from miles.session.record_codec import decode_record, encode_record
 from miles.session.records import (
     CommitOutcome,
     IdempotencyRecord,
@@ -140,19 +143,25 @@ _PARSE_INLINE_BYTES = 256 * 1024
 
 
 def _records(raw: list[Any]) -> list[TurnRecord]:
-    return [TurnRecord.from_json(json.loads(item)) for item in raw]
+    return [decode_record(item) for item in raw]
 
 
 def _state(values: list[Any]) -> SessionState:
     version, messages, ids, tools, ends, not_recorded = values
     return SessionState(
         version=int(version),
-        messages=json.loads(messages),
+        messages=loads_array_in_pieces(messages),
         token_ids=unpack_ids(ids),
         tools=json.loads(tools),
         message_ends=json.loads(ends),
         num_not_recorded=int(not_recorded or 0),
     )
+
+
+async def _parse_state(values: list[Any]) -> SessionState:
+    if sum(len(value or b"") for value in values) < _PARSE_INLINE_BYTES:
+        return _state(values)
+    return await asyncio.to_thread(_state, values)  # a long session's history: not on the event loop
 
 
 class RedisStore(RedisTree, RedisJobs):
@@ -266,7 +275,7 @@ class RedisStore(RedisTree, RedisJobs):
     @store_errors
     async def load_state(self, session_id: str) -> SessionState | None:
         values: list[Any] = await self._redis.hmget(self._key(session_id), list(_STATE_FIELDS))
-        return None if values[0] is None else _state(values)
+        return None if values[0] is None else await _parse_state(values)
 
     @contextlib.asynccontextmanager
     async def locked_state(self, session_id: str) -> AsyncIterator[SessionState | None]:
@@ -279,7 +288,7 @@ class RedisStore(RedisTree, RedisJobs):
         except (RedisError, OSError) as exc:
             raise StoreUnavailableError(f"session store unavailable: {exc}", retry_after_s=1.0) from exc
         try:
-            yield _state(result[1:]) if result[0] == 1 else None
+            yield await _parse_state(result[1:]) if result[0] == 1 else None
         finally:
             # Released in the background: the round trip overlaps the engine call instead of preceding it. A
             # commit that comes first just waits for it; a release that never lands expires with its lease.
@@ -313,7 +322,7 @@ class RedisStore(RedisTree, RedisJobs):
             pack_ids(commit.token_ids),
             dumps(commit.tools),
             dumps(commit.message_ends),
-            dumps(commit.record.to_json()),
+            encode_record(commit.record),
             ttl_ms,
             session_id,
             _now_ms() + ttl_ms,

@@ -61,6 +61,10 @@ _RELEASE_GIL_CHARS = 16 * 1024
 """Texts longer than this are encoded with `encode_batch`, which releases the GIL (`encode` holds it: ~1 s for a
 2 MB text, during which a server's event loop, whatever thread the encode runs in, serves nothing)."""
 
+_RELEASE_GIL_IDS = 4096
+"""Id sequences longer than this are decoded with `decode_batch`, which releases the GIL (`decode` holds it: ~100 ms
+for 660k ids, a session GET's TITO check of a long session)."""
+
 
 class HFTokenizerCodec:
     """A Hugging Face fast tokenizer read from `tokenizer.json` (+ `tokenizer_config.json` for BOS/EOS)."""
@@ -115,6 +119,8 @@ class HFTokenizerCodec:
         return [int(token.id) for piece, _ in pieces for token in self._tokenizer.model.tokenize(piece)]
 
     def decode(self, ids: Sequence[int]) -> str:
+        if len(ids) > _RELEASE_GIL_IDS:  # the same text; `decode_batch` runs without the GIL, `decode` holds it
+            return str(self._tokenizer.decode_batch([list(ids)], skip_special_tokens=False)[0])
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def token_id(self, token: str) -> int | None:
