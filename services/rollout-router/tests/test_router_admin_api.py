@@ -76,18 +76,28 @@ async def test_drain_waits_for_in_flight_then_undrain(engines: Any, start_router
         )
         assert drained.json()["drained"] is True and drained.json()["engine"]["state"] == "drained"
         assert in_flight.done() and (await in_flight).status_code == 200  # it finished before drain returned
-        refused = await router.client.post("/generate", content=generate_body([2]))
-        assert refused.status_code == 503 and "1 drained" in refused.json()["error"]["message"]
+        held = asyncio.create_task(router.client.post("/generate", content=generate_body([2])))
         engine.weight_version = 7  # updated while drained; undrain re-reads the version
         engine.healthy = False  # and failed health probes while loading (SGLang's /health blocks behind loads)
         pool_engine = router.pool().engines[engine.url]
         await until(lambda: not pool_engine.health.healthy)
+        await asyncio.sleep(0.3)
+        assert not held.done()  # the lone engine is drained for an update: the request waits, no 503
         engine.healthy = True
         undrained = await router.client.post("/admin/v1/engines/undrain", json={"url": engine.url})
         assert undrained.json()["engine"]["state"] == "healthy"
         assert undrained.json()["engine"]["weight_version"] == 7
+        assert (await held).status_code == 200  # served by the updated engine
         served = await router.client.post("/generate", content=generate_body([3], min_weight_version=7))
         assert served.status_code == 200
+
+
+async def test_without_a_hold_a_drained_lone_engine_is_503_at_once(engines: Any, start_router: Any) -> None:
+    (engine,) = await engines(1)
+    async with start_router(engine_urls=[engine.url], transient_hold_s=0.0) as router:
+        await router.client.post("/admin/v1/engines/drain", json={"url": engine.url, "wait": True, "timeout_s": 30})
+        refused = await router.client.post("/generate", content=generate_body([2]))
+        assert refused.status_code == 503 and "1 drained" in refused.json()["error"]["message"]
 
 
 async def test_drain_without_wait_and_timeout(engines: Any, start_router: Any, until: Any) -> None:

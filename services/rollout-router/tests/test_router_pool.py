@@ -23,6 +23,32 @@ def test_empty_and_unhealthy_pools_answer_503_with_a_reason(make_pool: Any, make
         pool.select(make_routing("s"))
 
 
+async def test_a_request_waits_while_the_only_engine_is_drained_for_an_update(
+    make_pool: Any, make_routing: Any
+) -> None:
+    """A lone engine drained for a weight update: acquire holds the request until it is undrained (not 503); an
+    unhealthy engine that is not drained is not waited for, and the hold ends at transient_hold_s."""
+    _, pool, engines = make_pool(1, transient_hold_s=5.0)
+    (engine,) = engines
+    pool.drain(engine)
+    held = asyncio.create_task(pool.acquire(make_routing("s")))
+    await asyncio.sleep(0.2)
+    assert not held.done()  # waiting, not refused
+    engine.draining = False  # weight-sync undrains it after the update
+    lease = await asyncio.wait_for(held, 5.0)
+    assert lease.engine is engine
+    lease.release()
+
+    engine.health.force(False)  # unhealthy and not drained: nothing says it comes back soon
+    with pytest.raises(NoRoutableEngineError, match="1 unhealthy"):
+        await asyncio.wait_for(pool.acquire(make_routing("s")), 1.0)
+
+    _, short, (lone,) = make_pool(1, transient_hold_s=0.2)
+    short.drain(lone)
+    with pytest.raises(NoRoutableEngineError, match="1 drained"):
+        await asyncio.wait_for(short.acquire(make_routing("s")), 5.0)  # gives up after the hold
+
+
 def test_paused_engines_take_no_requests_until_a_generation_check_passes(make_pool: Any, make_routing: Any) -> None:
     _, pool, engines = make_pool(2)
     assert pool.record_serving(engines[0], False, failures_to_pause=1)  # registration: one failure decides

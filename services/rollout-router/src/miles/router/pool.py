@@ -3,13 +3,15 @@
 `select` narrows the pool to candidates — available (healthy, not paused, not draining, breaker closed), at the
 request's `min_weight_version`, not already failed for this request, with room in their queue — and asks the
 policy. Each narrowing step that empties the set has its own answer: no engine available → 503, none at the
-version → 409 (retryable), every queue full → 429 + Retry-After. `acquire` then waits for a slot in the chosen
-engine's fair queue and re-selects if the engine stopped taking requests meanwhile. A request of this pool never
-sees an engine of another pool: each pool has its own engines, policy and tree.
+version → 409 (retryable), every queue full → 429 + Retry-After. `acquire` first waits (up to
+`transient_hold_s`) while the only engines out of rotation are drained for an update or joining, then waits for a
+slot in the chosen engine's fair queue and re-selects if the engine stopped taking requests meanwhile. A request
+of this pool never sees an engine of another pool: each pool has its own engines, policy and tree.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -22,11 +24,15 @@ from miles.router.policies import RoutingPolicy, Selection
 from miles.router.routing_input import RoutingInput
 from miles.router.snapshots import EngineSnapshot, PoolStatsSnapshot
 
+TRANSIENT_POLL_S = 0.05
+
 
 @dataclass(frozen=True)
 class PoolLimits:
     queue_timeout_s: float
     backpressure_retry_after_s: float
+    transient_hold_s: float = 0.0
+    """Longest an acquire waits while the pool's only candidates are drained or joining (see `_transient`)."""
 
 
 @dataclass(eq=False)
@@ -171,11 +177,33 @@ class EnginePool:
             )
         return self.policy.select(request, with_room)
 
+    def _transient(self) -> bool:
+        """Some engine is out of rotation only for a while: drained (weight-sync drains an engine for each update
+        and undrains it after; its health probes may fail while it loads) or joining and healthy (admitted once it
+        reaches the pool's version). Paused, unhealthy or circuit-open engines give no such promise."""
+        return any(
+            not e.removed and not e.paused and (e.draining or (e.admit_at_version is not None and e.health.healthy))
+            for e in self.engines.values()
+        )
+
+    async def _select_or_hold(self, request: RoutingInput, excluded: Collection[str]) -> Selection:
+        """`select`, but while no engine is available only because of a drain or a join, wait for one (polling
+        every TRANSIENT_POLL_S, at most limits.transient_hold_s) instead of answering 503: a lone engine drained
+        for a weight update would otherwise turn every request of the update's seconds into a retry."""
+        deadline_s = time.monotonic() + self.limits.transient_hold_s  # real waiting, whatever clock the pool has
+        while True:
+            try:
+                return self.select(request, excluded)
+            except NoRoutableEngineError:
+                if time.monotonic() >= deadline_s or not self._transient():
+                    raise
+            await asyncio.sleep(TRANSIENT_POLL_S)
+
     async def acquire(self, request: RoutingInput, excluded: Collection[str] = ()) -> Lease:
         """Select an engine and take a slot on it (waiting in its FIFO queue)."""
         tried = set(excluded)
         for _ in range(len(self.engines) + 1):
-            selection = self.select(request, tried)
+            selection = await self._select_or_hold(request, tried)
             engine = selection.engine
             try:
                 wait_s = await engine.slots.acquire(request.num_tokens, self.limits.queue_timeout_s)

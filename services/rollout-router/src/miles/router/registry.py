@@ -30,7 +30,9 @@ class PoolRegistry:
         self.clock = clock
         self.pools: dict[str, EnginePool] = {}
         self._limits = PoolLimits(
-            queue_timeout_s=settings.queue_timeout_s, backpressure_retry_after_s=settings.backpressure_retry_after_s
+            queue_timeout_s=settings.queue_timeout_s,
+            backpressure_retry_after_s=settings.backpressure_retry_after_s,
+            transient_hold_s=settings.transient_hold_s,
         )
 
     def get_or_create(self, name: str) -> EnginePool:

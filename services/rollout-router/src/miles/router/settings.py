@@ -118,6 +118,11 @@ class RouterSettings(ServiceSettings):
     backpressure_retry_after_s: float = Field(default=1.0, gt=0)
     """Retry-After sent with 429 backpressure answers, seconds."""
 
+    transient_hold_s: float = Field(default=30.0, ge=0)
+    """Longest a request waits, when no engine of its pool is available only because some are drained (for a weight
+    update) or joining (waiting for the pool's version), for one to come back, before 503 no_routable_engine;
+    0 answers at once. Unhealthy, paused or circuit-open engines are not waited for."""
+
     # --- forwarding, retries ------------------------------------------------------------------------------------
     request_timeout_s: float = Field(default=1800.0, gt=0)
     """Longest wait for an engine's response headers or for the next body chunk, seconds."""
