@@ -9,7 +9,7 @@ from miles.common.jobspec.distillation import DistillationConfig
 from miles.common.jobspec.trainer import TrainConfig
 from miles.proto.common.v1 import common_pb2
 from miles.trainer.batch import BadGroupError, TrainSample, samples_from_group
-from miles.trainer.distillation import apply_distillation
+from miles.trainer.distillation import BASELINE_EPS, apply_distillation
 from miles.trainer.microbatch import flatten
 from miles.trainer.step import has_signal
 
@@ -87,3 +87,42 @@ def test_a_distillation_job_refuses_a_trainable_sample_without_teacher_logprobs(
     with pytest.raises(BadGroupError) as bad:
         samples_from_group(common_pb2.Group(group_id="d", samples=[misaligned]), 0, **kwargs)
     assert bad.value.reason == "misaligned"
+
+
+def test_a_baseline_centres_or_whitens_the_distillation_term_alone_over_the_batchs_loss_tokens() -> None:
+    """d = teacher - student over the 4 loss tokens: 0.75, -1.0 (first; its masked token and the untrainable sample
+    are left out), 1.0, 0.0 (second): mean 0.1875, population std sqrt(0.60546875). The reward term is added after."""
+
+    def batch() -> tuple[TrainSample, TrainSample, TrainSample]:
+        first = sample([1, 0, 1], [-1.0, -9.0, -0.5], [-0.25, -2.0, -1.5], advantage=0.5)
+        second = sample([1, 1], [-2.0, -0.125], [-1.0, -0.125], advantage=-1.0)
+        ignored = sample([1], [-5.0], [-0.0], advantage=0.0)
+        ignored.trainable = False
+        return first, second, ignored
+
+    first, second, ignored = batch()
+    config = DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.5, baseline="batch_mean")
+    stats = apply_distillation([first, second, ignored], config)
+    # first: 2 * (0.75 - 0.1875) + 0.25 = 1.375; 2 * (-1.0 - 0.1875) + 0.25 = -2.125
+    assert first.token_advantages == [1.375, 0.0, -2.125]
+    # second: 2 * (1.0 - 0.1875) - 0.5 = 1.125; 2 * (0.0 - 0.1875) - 0.5 = -0.875
+    assert second.token_advantages == [1.125, -0.875]
+    assert ignored.token_advantages is None
+    assert stats["distill_reverse_kl_mean"] == pytest.approx(-0.1875)  # the estimate before the baseline
+    assert stats["distill_reverse_kl_std"] == pytest.approx(0.60546875**0.5)
+    assert stats["distill_advantage_mean"] == pytest.approx((1.375 - 2.125 + 1.125 - 0.875) / 4)
+
+    first, second, ignored = batch()
+    config = DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.0, baseline="batch_whiten")
+    apply_distillation([first, second, ignored], config)
+    std = 0.60546875**0.5 + BASELINE_EPS
+    assert first.token_advantages == pytest.approx([2 * 0.5625 / std, 0.0, 2 * -1.1875 / std])
+    assert second.token_advantages == pytest.approx([2 * 0.8125 / std, 2 * -0.1875 / std])
+    assert DistillationConfig(teacher_pool="t").baseline == "none"
+
+
+def test_a_baseline_over_a_batch_without_loss_tokens_sets_zero_advantages() -> None:
+    masked = sample([0, 0], [-1.0, -2.0], [-0.5, -2.5], advantage=0.0)
+    stats = apply_distillation([masked], DistillationConfig(teacher_pool="t", baseline="batch_whiten"))
+    assert masked.token_advantages == [0.0, 0.0]
+    assert stats == {"distill_reverse_kl_mean": 0.0, "distill_reverse_kl_std": 0.0, "distill_advantage_mean": 0.0}

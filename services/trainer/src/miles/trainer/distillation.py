@@ -1,45 +1,76 @@
 """On-policy distillation's per-token advantages (miles.common.jobspec.distillation has the recipe).
 
-For every trainable sample, on each loss-masked response token t:
+For every trainable sample, on each loss-masked response token t, with d_t = teacher_logprob_t - rollout_logprob_t:
 
-    A_t = kl_coef * (teacher_logprob_t - rollout_logprob_t) + reward_weight * A
+    A_t = kl_coef * baseline(d)_t + reward_weight * A
 
 where rollout_logprob_t is the student's logprob as it sampled the token and A the sample's task-reward advantage
-(the job's estimator, computed before). Tokens outside the loss mask get 0 (they are not trained on anyway).
-`teacher_logprob - student_logprob` is the negative of the per-token reverse-KL estimate (k1) at a token the
-student chose, so a policy-gradient step on it lowers the student's reverse KL to the teacher on its own states.
+(the job's estimator, computed before). `d_t` is the negative of the per-token reverse-KL estimate (k1) at a token
+the student chose, so a policy-gradient step on it lowers the student's reverse KL to the teacher on its own states.
+`baseline` (DistillationConfig.baseline) acts on the distillation term alone, over the loss tokens of the whole
+batch (every trainable sample of the step, before any minibatch split), with m and s the mean and (population)
+standard deviation of d over them:
 
-The step metrics report that estimate: `distill_reverse_kl_mean`, the mean over the batch's loss tokens of
-(student - teacher) logprob (what should fall as the student learns), and `distill_advantage_mean`.
+    none:         baseline(d)_t = d_t
+    batch_mean:   baseline(d)_t = d_t - m
+    batch_whiten: baseline(d)_t = (d_t - m) / (s + BASELINE_EPS)
+
+Tokens outside the loss mask get 0 (they are not trained on anyway).
+
+The step metrics report the estimate before any baseline: `distill_reverse_kl_mean`, the mean over the batch's loss
+tokens of (student - teacher) logprob (what should fall as the student learns), `distill_reverse_kl_std` (s), and
+`distill_advantage_mean`, the mean of the advantages A_t themselves.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from miles.common.jobspec.distillation import DistillationConfig
 from miles.trainer.batch import TrainSample
 
+BASELINE_EPS = 1e-6
+"""Added to the standard deviation before dividing (`batch_whiten`)."""
+
 
 def apply_distillation(samples: Sequence[TrainSample], config: DistillationConfig) -> dict[str, float]:
     """Set `token_advantages` on every trainable sample (in place); the batch's distillation statistics."""
-    kl_sum, advantage_sum, num_tokens = 0.0, 0.0, 0
-    for sample in samples:
-        if not sample.trainable:
-            continue
+    trainable = [sample for sample in samples if sample.trainable]
+    differences: list[list[float | None]] = []
+    for sample in trainable:
         teacher = sample.teacher_logprobs
         assert teacher is not None, "admission refuses a trainable sample without teacher logprobs"
+        differences.append(
+            [
+                teacher_lp - student_lp if mask else None
+                for mask, student_lp, teacher_lp in zip(sample.loss_mask, sample.rollout_logprobs, teacher, strict=True)
+            ]
+        )
+    valid = [d for per_sample in differences for d in per_sample if d is not None]
+    num_tokens = len(valid)
+    mean = sum(valid) / num_tokens if num_tokens else 0.0
+    std = math.sqrt(sum((d - mean) ** 2 for d in valid) / num_tokens) if num_tokens else 0.0
+    shift, scale = 0.0, 1.0
+    if config.baseline in ("batch_mean", "batch_whiten"):
+        shift = mean
+    if config.baseline == "batch_whiten":
+        scale = 1.0 / (std + BASELINE_EPS)
+    advantage_sum = 0.0
+    for sample, per_sample in zip(trainable, differences, strict=True):
         reward_term = config.reward_weight * sample.advantage
         advantages = []
-        for mask, student_lp, teacher_lp in zip(sample.loss_mask, sample.rollout_logprobs, teacher, strict=True):
-            if not mask:
+        for difference in per_sample:
+            if difference is None:
                 advantages.append(0.0)
                 continue
-            advantage = config.kl_coef * (teacher_lp - student_lp) + reward_term
+            advantage = config.kl_coef * (difference - shift) * scale + reward_term
             advantages.append(advantage)
-            kl_sum += student_lp - teacher_lp
             advantage_sum += advantage
-            num_tokens += 1
         sample.token_advantages = advantages
     denominator = max(1, num_tokens)
-    return {"distill_reverse_kl_mean": kl_sum / denominator, "distill_advantage_mean": advantage_sum / denominator}
+    return {
+        "distill_reverse_kl_mean": -mean,
+        "distill_reverse_kl_std": std,
+        "distill_advantage_mean": advantage_sum / denominator,
+    }

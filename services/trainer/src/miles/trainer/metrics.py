@@ -57,6 +57,8 @@ STEP_GAUGES: dict[str, str] = {
     "routing_replay": "MoE models: 1 when the trainer replays the rollout's routing (R3), 0 when it routes itself",
     "distill_reverse_kl_mean": "On-policy distillation: mean (student - teacher) logprob over the batch's loss "
     "tokens, the per-token reverse-KL estimate at the student's own tokens, last step",
+    "distill_reverse_kl_std": "On-policy distillation: standard deviation of (student - teacher) logprob over the "
+    "batch's loss tokens, last step",
     "distill_advantage_mean": "On-policy distillation: mean per-token advantage over loss tokens, last step",
     "value_loss": "PPO with a critic: value loss (clipped, before value_loss_coef, aggregated like the loss)",
     "value_clipfrac": "PPO with a critic: fraction of loss tokens where the value clip was active, last step",
