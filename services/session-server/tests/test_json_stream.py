@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from miles.session.json_stream import PIECE_BYTES, SLICE_ITEMS, encode_pieces, json_body, loads_array_in_pieces
+from miles.session.json_stream import (
+    PIECE_BYTES,
+    SLICE_ITEMS,
+    STRING_SLICE_CHARS,
+    encode_pieces,
+    json_body,
+    loads_array_in_pieces,
+)
 
 VIEW: dict[str, Any] = {
     "session_id": "s1",
@@ -55,3 +62,10 @@ def test_a_malformed_array_is_refused_as_json_loads_refuses_it(text: str) -> Non
         json.loads(text)
     with pytest.raises(json.JSONDecodeError):
         loads_array_in_pieces(text)
+
+
+def test_a_long_string_is_written_in_slices_with_the_same_escapes() -> None:
+    text = ('héllo 🎉 "quoted"\n\\ \t\x01 \ud800 ' * 4000)[: 3 * STRING_SLICE_CHARS + 7]
+    pieces = list(encode_pieces({"content": text}))
+    assert "".join(pieces) == json.dumps({"content": text}, ensure_ascii=False, separators=(",", ":"))
+    assert len(pieces) > 3 and max(len(piece) for piece in pieces) < 8 * STRING_SLICE_CHARS

@@ -109,6 +109,19 @@ def test_codecs_round_trip_text_with_special_tokens() -> None:
     assert chars.special_ids() == {chars.token_id("<|im_start|>"), chars.token_id("<|im_end|>")}
 
 
+def test_long_texts_and_id_runs_take_the_gil_free_paths_with_the_same_result() -> None:
+    """Past 16k characters / 4k ids the codec switches to `encode_batch_fast` / `decode_batch` (GIL released): the
+    ids and text must be exactly what `encode` / `decode` give, special tokens and multi-byte characters included."""
+    codec = HFTokenizerCodec.from_file(bundled_tokenizer_dir("qwen3"))
+    tokenizer = codec._tokenizer
+    pieces = ["the ", "\n\n", " ", "Zürich", "☕", "<|im_start|>", "  x", "\t", "12345", "東京", "'s", "<think>"]
+    text = "".join(pieces[(i * 7 + i // 3) % len(pieces)] for i in range(12_000))
+    assert len(text) > 16 * 1024
+    ids = codec.encode(text)
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids and len(ids) > 4096
+    assert codec.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
 def test_default_family_reads_its_junction_off_the_template(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         tito = TitoTokenizer(

@@ -36,6 +36,7 @@ from miles.session.errors import (
     SessionNotFoundError,
     WrongTokenError,
 )
+from miles.session.json_stream import release_in_slices
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry, SessionModel
 from miles.session.records import IdempotencyRecord, Json, ModelConfig, SessionMeta, SessionState, TurnRecord
@@ -276,28 +277,35 @@ class SessionCore:
         # A last turn cut at max_tokens has no stop token yet (the next prompt would add it): compare without it.
         comparator = model.tito.comparator()
         sampled = [(r.prompt_len, r.prompt_len + len(r.completion_ids)) for r in records]
-        return comparator.compare(
+        result = comparator.compare(
             expected=expected, actual=state.token_ids, trim_ids=model.tito.stop_token_ids, sampled_spans=sampled
         )
+        release_in_slices(expected)  # millions of ids for a long session: not freed in one GIL-holding call
+        return result
 
-    async def describe(self, meta: SessionMeta) -> Json:
+    async def describe(self, meta: SessionMeta) -> tuple[Json, list[list[Any]]]:
         """GET /v1/sessions/{id}: metadata, history, the token buffer, every record and the TITO check; a tree
-        session's view is its tree's shape and records instead (no path is rendered, no lock is taken)."""
+        session's view is its tree's shape and records instead (no path is rendered, no lock is taken). With the
+        view, its big lists that only it holds: to empty in slices once written (json_stream.release_on_loop)."""
         state, records, model = await self._load(meta)
         if meta.tree:
             tree = SessionTree(await self.store.load_tree(meta.session_id))
-            return {**self._head(meta, state, model), "tree": await asyncio.to_thread(tree_view, tree)}
+            return {**self._head(meta, state, model), "tree": await asyncio.to_thread(tree_view, tree)}, []
         comparison = await asyncio.to_thread(self._comparison, model, state, records)
-        return {
+        owned = self.store.hands_out_copies  # else the records' lists are the store's: the view gets copies
+        views = await asyncio.to_thread(lambda: [r.to_json(copy_arrays=not owned) for r in records])
+        release = [view[name] for view in views for name in ("completion_ids", "logprobs")]
+        view = {
             **self._head(meta, state, model),
             "num_turns": len(records),
             "messages": state.messages,
             "tools": state.tools,
             "accumulated_token_ids": state.token_ids,
             "weight_versions": [r.weight_version for r in records],
-            "records": await asyncio.to_thread(lambda: [r.to_json() for r in records]),
+            "records": views,
             "tito_session_mismatch": comparison.to_metadata() if comparison is not None else None,
         }
+        return view, [state.token_ids, *release] if owned else release
 
     @staticmethod
     def _head(meta: SessionMeta, state: SessionState, model: SessionModel) -> Json:

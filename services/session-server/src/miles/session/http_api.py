@@ -231,8 +231,9 @@ def _session_routes(router: APIRouter, core: SessionCore, streams: StreamingTurn
     @router.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES, response_model=dict[str, Any])
     async def get_session(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
-        view = await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
-        return StreamingResponse(json_body(view), media_type="application/json")  # ~100 MB: not in one piece
+        view, release = await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
+        body = json_body(view, release=release)  # ~100 MB: not in one piece, nor freed in one piece
+        return StreamingResponse(body, media_type="application/json")
 
     @router.delete("/v1/sessions/{session_id}", status_code=204, responses=SESSION_RESPONSES)
     async def delete_session(session_id: SessionId, request: Request) -> Response:

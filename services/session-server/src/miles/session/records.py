@@ -188,10 +188,12 @@ class TurnRecord:
     """First token position whose routing this turn's stored chunk holds (the engine's routed_experts_start_len);
     the chunk covers [routing_start_row, prompt_len + len(completion_ids) - 1). None: no routing recorded."""
 
-    def to_json(self) -> Json:
+    def to_json(self, *, copy_arrays: bool = True) -> Json:
+        """`copy_arrays=False`: the JSON shares this record's id and logprob lists (for a record no one else holds)."""
         # Not dataclasses.asdict: its deep copy walks every id and logprob in Python (a 100k-token turn: ~50 ms).
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["completion_ids"], data["logprobs"] = list(self.completion_ids), list(self.logprobs)
+        if copy_arrays:
+            data["completion_ids"], data["logprobs"] = list(self.completion_ids), list(self.logprobs)
         data["finish_type"] = self.finish_type.value
         return data
 

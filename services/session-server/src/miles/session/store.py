@@ -47,6 +47,10 @@ class ReapResult:
 
 
 class SessionStore(Protocol):
+    hands_out_copies: bool
+    """load_state / load_records return objects no one else holds (a Redis read); False: the store's own (memory),
+    which a reader must not change."""
+
     async def ping(self) -> None:
         """Raise when the store cannot serve (readiness)."""
         ...

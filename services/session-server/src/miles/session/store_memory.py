@@ -43,6 +43,8 @@ class _Entry:
 
 
 class MemoryStore:
+    hands_out_copies = False
+
     def __init__(self, *, lock_wait_s: float) -> None:
         self._sessions: dict[str, _Entry] = {}
         self._locks: dict[str, asyncio.Lock] = {}

@@ -165,6 +165,8 @@ async def _parse_state(values: list[Any]) -> SessionState:
 
 
 class RedisStore(RedisTree, RedisJobs):
+    hands_out_copies = True
+
     def __init__(self, client: aioredis.Redis, *, key_prefix: str, lock_ttl_s: float, lock_wait_s: float) -> None:
         self._redis = client
         self._prefix = key_prefix
