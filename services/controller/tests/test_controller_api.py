@@ -207,6 +207,14 @@ async def test_patch_resizes_a_running_job_and_validates_the_sizes(redis_url: st
         job = await client.get(f"/v1/jobs/{job_id}")
         assert job.json()["spec"]["resources"]["rollout_workers"]["replicas"] == 3
         await client.post(f"/v1/jobs/{job_id}/cancel")
+        body = kit.job_spec_body()
+        body.setdefault("resources", {})["rollout_workers"] = {"replicas": 1, "max_replicas": 2}
+        scaled = (await client.post("/v1/jobs", json=body)).json()["job_id"]
+        await kit.wait_for_state(client, scaled, "RUNNING")
+        assert (await client.patch(f"/v1/jobs/{scaled}", json={"rollout_workers": 4})).status_code == 202
+        workers = (await client.get(f"/v1/jobs/{scaled}")).json()["spec"]["resources"]["rollout_workers"]
+        assert (workers["replicas"], workers["max_replicas"]) == (4, 4)  # the autoscaler's maximum follows
+        await client.post(f"/v1/jobs/{scaled}/cancel")
         ended = await client.patch(f"/v1/jobs/{job_id}", json={"engines": 1})
         assert ended.status_code == 409
         assert (await client.patch("/v1/jobs/jdoesnotexist", json={"engines": 1})).status_code == 404

@@ -77,3 +77,44 @@ async def test_a_job_asking_for_more_engines_than_the_maximum_gets_an_hpa_fixed_
         await backend.start("jhpa0000002", JobSpec.model_validate(body))
         hpa = _engine_hpa(api, "jhpa0000002")
         assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (10, 10)
+
+
+@pytest.fixture(scope="module")
+def worker_autoscaled_templates(request: pytest.FixtureRequest) -> dict[str, str]:
+    return chart_job_templates(
+        Path(request.config.rootpath), set_values=["jobTemplates.rolloutWorker.autoscaling.enabled=true"]
+    )
+
+
+def _worker_hpa(api: Any, job_id: str) -> dict[str, Any]:
+    (hpa,) = [
+        obj
+        for obj in api.of_job(job_id)
+        if obj["kind"] == "HorizontalPodAutoscaler" and obj["metadata"]["labels"][COMPONENT] == "rollout-worker"
+    ]
+    return dict(hpa)
+
+
+async def test_rollout_worker_hpa_spans_the_jobs_replicas_to_its_max_replicas(
+    worker_autoscaled_templates: dict[str, str], controller_kit: Any
+) -> None:
+    """resources.rollout_workers.max_replicas is the worker HPA's maximum (null: the replicas, no room)."""
+    body = _spec(controller_kit).model_dump(mode="json")
+    body["resources"]["rollout_workers"] = {"replicas": 2, "max_replicas": 5}
+    async with fake_cluster(worker_autoscaled_templates) as (api, _, backend):
+        await backend.start("jhpa0000003", JobSpec.model_validate(body))
+        assert (
+            _worker_hpa(api, "jhpa0000003")["spec"]["minReplicas"],
+            _worker_hpa(api, "jhpa0000003")["spec"]["maxReplicas"],
+        ) == (2, 5)
+        body["resources"]["rollout_workers"] = {"replicas": 2}
+        await backend.start("jhpa0000004", JobSpec.model_validate(body))
+        hpa = _worker_hpa(api, "jhpa0000004")
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 2)
+
+
+def test_max_replicas_below_the_replicas_is_refused(controller_kit: Any) -> None:
+    body = _spec(controller_kit).model_dump(mode="json")
+    body["resources"]["rollout_workers"] = {"replicas": 3, "max_replicas": 2}
+    with pytest.raises(ValueError, match=r"max_replicas \(2\) must be at least replicas \(3\)"):
+        JobSpec.model_validate(body)

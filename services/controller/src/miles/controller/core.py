@@ -150,7 +150,10 @@ class JobService:
         if request.engines is not None:
             resources["engines"]["replicas"] = request.engines
         if request.rollout_workers is not None:
-            resources["rollout_workers"]["replicas"] = request.rollout_workers
+            workers = resources["rollout_workers"]
+            workers["replicas"] = request.rollout_workers
+            if workers.get("max_replicas") is not None:  # as the autoscaler's maximum is raised (kubernetes.py)
+                workers["max_replicas"] = max(workers["max_replicas"], request.rollout_workers)
         new_spec = JobSpec.model_validate(spec_data)
         event = {
             "type": "resize_requested",

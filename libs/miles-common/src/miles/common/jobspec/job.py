@@ -109,10 +109,21 @@ class RolloutWorkerPoolSpec(_Section):
     replicas: int = Field(default=1, ge=1, le=256)
     """Rollout-worker processes or pods; may change while the job runs."""
 
+    max_replicas: int | None = Field(default=None, ge=1, le=256)
+    """Upper bound of the job's rollout-worker autoscaler (Kubernetes, with the chart's
+    `jobTemplates.rolloutWorker.autoscaling.enabled`; `replicas` is its lower bound); at least `replicas`. null: the
+    replicas (no room to scale). The local backend ignores it."""
+
     node_pool: str | None = Field(default=None, pattern=NODE_POOL_PATTERN)
     """Node pool of the rollout-worker pods (Kubernetes): one of the release's node pools (the chart's `nodePools`),
     whose placement replaces the chart's for this job's workers; a pool the release does not define is a 400. null:
     the chart's `jobTemplates.rolloutWorker.nodePool`. The local backend ignores it."""
+
+    @model_validator(mode="after")
+    def _max_covers_replicas(self) -> Self:
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be at least replicas ({self.replicas})")
+        return self
 
 
 class TrainerPoolSpec(_Section):

@@ -49,6 +49,7 @@ def template_params(job_id: str, spec: JobSpec) -> JobTemplateParams:
         tp_size=resources.engines.tp_size,
         engine_nodes=resources.engines.nodes_per_replica,
         rollout_worker_replicas=resources.rollout_workers.replicas,
+        rollout_worker_max_replicas=resources.rollout_workers.max_replicas or 0,
         trainer_replicas=resources.trainer.replicas,
         trainer_gpus=resources.trainer.gpus_per_replica,
         environment=environment_params(spec),
