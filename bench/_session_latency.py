@@ -10,16 +10,19 @@ first chunk carrying a token. Medians of TTFT_ROUNDS rounds.
 
 Head-of-line: a session of BIG_TURNS turns of BIG_TURN_TOKENS tokens each (the zero-latency engine answers them;
 realistic 17-digit logprobs) whose `GET /v1/sessions/{id}` is ~100 MB of JSON. Turns of small agent episodes (the
-session_overhead_ratio workload) are timed idle and while a second client GETs the big session over and over;
-the two conditions alternate in blocks (machine noise hits both alike), and the p99 of each is compared.
-Everything (bench client, session server, Redis, engine) shares this machine's cores: a big GET's own CPU (its
-client's parse included) competes with the turns here, which a deployment with a separate exporter would not see.
+session_overhead_ratio workload) are timed idle and while a second client, in its own process, GETs the big
+session over and over; the two conditions alternate in blocks (machine noise hits both alike), and the p99 of each
+is compared. The server answers the big session from its export process (exports.py; 3M token ids is over the
+default `export_min_tokens`). Everything (bench client, getter, session server and its helper, Redis, engine)
+shares this machine's cores: the GET's CPU competes with the turns here.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,24 +125,41 @@ def build_big_session(client: httpx.Client, op: dict[str, str], model_dir: str) 
     return sid, auth, size
 
 
-class _Getter(threading.Thread):
-    """GETs one session over and over until stopped; keeps each GET's seconds."""
+class _Getter:
+    """GETs one session over and over, in its own process, until stopped; keeps each GET's seconds.
+
+    A separate process because an exporter is a separate client: a reader thread in the bench's own process would
+    share the timed turn client's GIL, and every GIL hand-off between them (up to the 5 ms switch interval per
+    socket read of the turn) would be charged to the server.
+    """
 
     def __init__(self, base_url: str, path: str, auth: dict[str, str]) -> None:
-        super().__init__(daemon=True)
-        self._client = httpx.Client(base_url=base_url, timeout=600)
-        self._path, self._auth = path, auth
-        self.stop = threading.Event()
+        argv = [sys.executable, __file__, "--get", base_url, path, auth["authorization"]]
+        self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.seconds: list[float] = []
 
-    def run(self) -> None:
-        while not self.stop.is_set():
+    def stop_and_join(self) -> None:
+        assert self._process.stdin is not None
+        out, _ = self._process.communicate("stop\n", timeout=900)
+        if self._process.returncode != 0:
+            raise RuntimeError(f"the GET loop exited {self._process.returncode}")
+        self.seconds = json.loads(out)
+
+
+def _get_loop(base_url: str, path: str, authorization: str) -> None:
+    """The getter process: GET until a line arrives on stdin, then print the seconds of each GET as JSON."""
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    seconds = []
+    with httpx.Client(base_url=base_url, timeout=600) as client:
+        while not stop.is_set():
             started_s = time.perf_counter()
-            with self._client.stream("GET", self._path, headers=self._auth) as reply:
+            with client.stream("GET", path, headers={"authorization": authorization}) as reply:
+                reply.raise_for_status()
                 for _ in reply.iter_bytes():
                     pass
-            self.seconds.append(time.perf_counter() - started_s)
-        self._client.close()
+            seconds.append(time.perf_counter() - started_s)
+    print(json.dumps(seconds))
 
 
 def head_of_line(
@@ -154,13 +174,11 @@ def head_of_line(
         getter = _Getter(base_url, f"/v1/sessions/{sid}", auth) if block % 2 else None
         samples: list[float] = []
         if getter is not None:
-            getter.start()
-            time.sleep(0.2)  # the GET is under way
+            time.sleep(1.0)  # the getter process has started and its GET is under way
         while len(samples) < HOL_TURNS_PER_BLOCK:
             samples += turns()
         if getter is not None:
-            getter.stop.set()
-            getter.join()
+            getter.stop_and_join()
             gets += getter.seconds
         (loaded if getter is not None else idle).extend(samples)
     idle_p99, loaded_p99 = _p(idle, 0.99) * 1e3, _p(loaded, 0.99) * 1e3
@@ -174,3 +192,8 @@ def head_of_line(
         "hol_gets": len(gets),
         "hol_get_median_s": round(statistics.median(gets), 3) if gets else None,
     }
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--get"]:
+        _get_loop(*sys.argv[2:5])

@@ -38,6 +38,12 @@ class SessionNotFoundError(NotFoundError):
     code = "session_not_found"
 
 
+class ExportUnavailableError(UnavailableError):
+    """The export process answering a long session's GET or samples failed or exited (exports.py); retry."""
+
+    code = "export_unavailable"
+
+
 class JobNotFoundError(NotFoundError):
     """No model config is registered for the job and the server has no default model."""
 

@@ -28,7 +28,7 @@ from miles.common.auth import bearer_of, tokens_match
 from miles.common.errors import MilesError
 from miles.common.http import create_http_app, error_response
 from miles.common.telemetry import Metrics
-from miles.session import openai_format, samples_wire
+from miles.session import openai_format
 from miles.session.adapters import JobAdapters
 from miles.session.api_models import (
     JOB_ID_PATTERN,
@@ -47,7 +47,7 @@ from miles.session.errors import (
     RequestTooLargeError,
     WrongTokenError,
 )
-from miles.session.json_stream import json_body
+from miles.session.exports import Answer, ExportProcesses
 from miles.session.openapi_docs import (
     ADAPTER_GET_RESPONSES,
     ADAPTER_PUT_RESPONSES,
@@ -68,6 +68,7 @@ from miles.session.openapi_docs import (
 )
 from miles.session.streaming import StreamingTurns
 from miles.session.tito.messages import first_json_path, lone_surrogate
+from miles.session.views import ViewRequest
 
 M = TypeVar("M", bound=BaseModel)
 MAX_JSON_DEPTH = 64
@@ -220,7 +221,16 @@ def _create_route(router: APIRouter, core: SessionCore, auth: Auth) -> None:
         )
 
 
-def _session_routes(router: APIRouter, core: SessionCore, streams: StreamingTurns, auth: Auth) -> None:
+def _streamed(answer: Answer) -> Response:
+    """A session's view or samples, in pieces (~100 MB for a long session: see json_stream.py and exports.py)."""
+    return StreamingResponse(
+        answer.body, status_code=answer.status, media_type=answer.media_type, headers=answer.headers
+    )
+
+
+def _session_routes(
+    router: APIRouter, core: SessionCore, exports: ExportProcesses, streams: StreamingTurns, auth: Auth
+) -> None:
     @router.get("/v1/sessions", responses=OPERATOR_RESPONSES)
     async def list_sessions(
         request: Request, job_id: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
@@ -231,9 +241,8 @@ def _session_routes(router: APIRouter, core: SessionCore, streams: StreamingTurn
     @router.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES, response_model=dict[str, Any])
     async def get_session(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
-        view, release = await core.describe(await core.authorize(session_id, token, is_operator=is_operator))
-        body = json_body(view, release=release)  # ~100 MB: not in one piece, nor freed in one piece
-        return StreamingResponse(body, media_type="application/json")
+        meta = await core.authorize(session_id, token, is_operator=is_operator)
+        return _streamed(await exports.answer(ViewRequest("describe", meta)))
 
     @router.delete("/v1/sessions/{session_id}", status_code=204, responses=SESSION_RESPONSES)
     async def delete_session(session_id: SessionId, request: Request) -> Response:
@@ -250,12 +259,9 @@ def _session_routes(router: APIRouter, core: SessionCore, streams: StreamingTurn
     async def samples(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
         meta = await core.authorize(session_id, token, is_operator=is_operator)
-        message = await core.samples(meta, await parse_body(request, SamplesRequest, allow_empty=True))
-        # A long session's samples are ~100 MB: converted in a worker thread, JSON written in pieces (json_stream.py).
-        if PROTOBUF_MEDIA_TYPE in request.headers.get("accept", ""):
-            return Response(await asyncio.to_thread(message.SerializeToString), media_type=PROTOBUF_MEDIA_TYPE)
-        data = await asyncio.to_thread(samples_wire.to_dict, message)
-        return StreamingResponse(json_body(data), media_type="application/json")
+        body = await parse_body(request, SamplesRequest, allow_empty=True)
+        protobuf = PROTOBUF_MEDIA_TYPE in request.headers.get("accept", "")
+        return _streamed(await exports.answer(ViewRequest("samples", meta, body, protobuf=protobuf)))
 
     @router.post(
         "/v1/sessions/{session_id}/v1/chat/completions",
@@ -340,6 +346,7 @@ def build_app(
     core: SessionCore,
     adapters: JobAdapters,
     streams: StreamingTurns,
+    exports: ExportProcesses,
     metrics: Metrics,
     *,
     operator_token: str,
@@ -371,9 +378,10 @@ def build_app(
     auth = Auth(operator_token)
     router = APIRouter()
     _create_route(router, core, auth)
-    _session_routes(router, core, streams, auth)
+    _session_routes(router, core, exports, streams, auth)
     _job_routes(router, core, auth)
     _adapter_routes(router, adapters, auth)
     app.include_router(router)
+    app.state.exports = exports  # its helpers' pids: for operators' tooling and tests
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     return app

@@ -14,6 +14,7 @@ from miles.common.settings import load_settings
 from miles.common.telemetry import Metrics, setup_tracing
 from miles.session.adapters import JobAdapters
 from miles.session.core import SessionCore
+from miles.session.exports import ExportProcesses
 from miles.session.http_api import build_app
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry
@@ -23,6 +24,7 @@ from miles.session.streaming import StreamingTurns
 from miles.session.tree_turns import TreeLimits
 from miles.session.turns import TurnRunner
 from miles.session.upstream import EngineClient
+from miles.session.views import SessionViews
 
 SERVICE = "session"
 logger = logging.getLogger(__name__)
@@ -47,8 +49,11 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
     )
     core = SessionCore(settings=settings, store=store, models=models, turns=turns, metrics=session_metrics)
     streams = StreamingTurns(turns=turns, engine=engine, adapters=adapters, metrics=session_metrics)
+    views = SessionViews(store=store, models=models, metrics=session_metrics)
+    exports = ExportProcesses(settings, views, session_metrics)
 
     async def close() -> None:
+        await exports.close()
         await engine.close()
         await store.close()
 
@@ -59,6 +64,7 @@ def build_service(settings: SessionSettings, metrics: Metrics, *, models: ModelR
         core,
         adapters,
         streams,
+        exports,
         metrics,
         operator_token=operator_token,
         max_body_bytes=settings.max_body_bytes,

@@ -9,6 +9,11 @@ own `cached_tokens` / `prompt_tokens`, so it holds for any engine behind the rou
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from prometheus_client import Counter
+
 from miles.common.telemetry import Metrics
 from miles.session.tito import TitoMetrics, register_tito_metrics
 
@@ -102,3 +107,40 @@ class SessionMetrics:
             self.stream_interruptions.labels(reason=reason)
         for status in SAMPLE_STATUSES:
             self.samples.labels(status=status)
+
+    def _exported(self) -> dict[str, Counter]:
+        """The counters an export process (exports.py) moves: what building a view or samples counts."""
+        return {
+            "samples": self.samples,
+            "tree_path_tokens": self.tree_path_tokens,
+            "tree_unique_tokens": self.tree_unique_tokens,
+            "tito_mismatches": self.tito.mismatches,
+            "tito_comparisons": self.tito.comparisons,
+        }
+
+    def exported_counter(self, name: str) -> Counter | None:
+        return self._exported().get(name)
+
+    def exported_values(self) -> dict[tuple[str, str], tuple[dict[str, str], float]]:
+        """Every exported counter's value per label set, keyed by (name, labels as JSON)."""
+        values: dict[tuple[str, str], tuple[dict[str, str], float]] = {}
+        for name, counter in self._exported().items():
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        key = (name, json.dumps(sample.labels, sort_keys=True))
+                        values[key] = (dict(sample.labels), sample.value)
+        return values
+
+
+def counter_increments(
+    before: dict[tuple[str, str], tuple[dict[str, str], float]],
+    after: dict[tuple[str, str], tuple[dict[str, str], float]],
+) -> list[dict[str, Any]]:
+    """What was counted between two `exported_values` snapshots, as the export protocol's `counters`."""
+    increments = []
+    for key, (labels, value) in after.items():
+        delta = value - before.get(key, (labels, 0.0))[1]
+        if delta > 0:
+            increments.append({"name": key[0], "labels": labels, "value": delta})
+    return increments

@@ -31,7 +31,10 @@ SESSION_RESPONSES: Responses = {
     401: {"description": "No `Authorization: Bearer <token>`"},
     403: {"description": "The bearer token is neither the session's capability token nor the operator token"},
     404: {"description": "No live session has this id (never created, deleted, or expired after its ttl_s)"},
-    503: {"description": _UNAVAILABLE + "; or this replica cannot load the session's tokenizer (model_unavailable)"},
+    503: {
+        "description": _UNAVAILABLE + "; or this replica cannot load the session's tokenizer (model_unavailable); "
+        "or, for a long session's GET or samples, its export process failed (export_unavailable)"
+    },
 }
 TOO_LARGE: Responses = {413: {"description": "The request body is larger than max_body_bytes"}}
 JOB_NOT_FOUND: Responses = {404: {"description": "No model config is registered for this job"}}

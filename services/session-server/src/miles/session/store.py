@@ -50,6 +50,9 @@ class SessionStore(Protocol):
     hands_out_copies: bool
     """load_state / load_records return objects no one else holds (a Redis read); False: the store's own (memory),
     which a reader must not change."""
+    shared_across_processes: bool
+    """Another process given the same settings sees the same sessions (Redis; not memory): the export process
+    (exports.py) can answer for this one."""
 
     async def ping(self) -> None:
         """Raise when the store cannot serve (readiness)."""
@@ -72,6 +75,10 @@ class SessionStore(Protocol):
 
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         """The session's fixed part, or None when there is no live session with this id."""
+        ...
+
+    async def num_token_ids(self, session_id: str) -> int:
+        """Length of a linear session's token buffer, read without loading it (0: no session, or a tree)."""
         ...
 
     async def load_state(self, session_id: str) -> SessionState | None:

@@ -44,6 +44,7 @@ class _Entry:
 
 class MemoryStore:
     hands_out_copies = False
+    shared_across_processes = False
 
     def __init__(self, *, lock_wait_s: float) -> None:
         self._sessions: dict[str, _Entry] = {}
@@ -55,6 +56,10 @@ class MemoryStore:
 
     async def ping(self) -> None:
         return None
+
+    async def num_token_ids(self, session_id: str) -> int:
+        entry = self._live(session_id)
+        return len(entry.state.token_ids) if entry is not None else 0
 
     async def close(self) -> None:
         return None
