@@ -28,6 +28,9 @@ from miles.trainer.batch import TrainSample
 
 COMPLETED = common_pb2.SAMPLE_STATUS_COMPLETED
 SMALL_VOCAB = 512
+SMALL_OVERRIDES = {"vocab_size": SMALL_VOCAB, "num_hidden_layers": 2, "max_window_layers": 2}
+TEACHER_SFT_STEPS = 20
+TEACHER_SFT_LR = 1e-3
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +47,41 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     fraction of the cost (the full vocabulary's LM head dominates a CPU step), for the many-step tests."""
     from miles.engine.tiny_model import build_tiny_model
 
-    overrides = {"vocab_size": SMALL_VOCAB, "num_hidden_layers": 2, "max_window_layers": 2}
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen3", config_overrides=overrides)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "small-qwen3", config_overrides=SMALL_OVERRIDES)
+
+
+def _train_toward_the_toy_targets(model: Any, _: Path) -> None:
+    """TEACHER_SFT_STEPS AdamW steps of cross-entropy on responses of 8 random ids below the toy task's
+    `target_below` after 4 random prompt ids (16 sequences a step, fixed seed)."""
+    from miles.trainer.toy_task import ToyTask
+
+    task, rng = ToyTask(), random.Random(123)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TEACHER_SFT_LR)
+    model.train()
+    for _ in range(TEACHER_SFT_STEPS):
+        loss = torch.zeros(())
+        for _ in range(16):
+            prompt = [rng.randrange(SMALL_VOCAB) for _ in range(task.prompt_tokens)]
+            response = [rng.randrange(task.target_below) for _ in range(task.response_tokens)]
+            tokens = torch.tensor(prompt + response)
+            hidden = model(tokens)[task.prompt_tokens - 1 : -1]
+            logits = torch.nn.functional.linear(hidden, model.lm_head_weight)
+            loss = loss + torch.nn.functional.cross_entropy(logits, tokens[task.prompt_tokens :]) / 16
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+@pytest.fixture(scope="session")
+def small_teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small model trained longer: the same initial weights (seed 0) after TEACHER_SFT_STEPS supervised steps
+    toward the toy task's target ids. A different policy the student can reach: the student's samples have a
+    per-token reverse KL of ~0.67 to it, and it puts ~22 % of its mass on the target ids (the student 12 %)."""
+    from miles.engine.tiny_model import build_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "small-qwen3-teacher"
+    return build_tiny_model(out, config_overrides=SMALL_OVERRIDES, warmup=_train_toward_the_toy_targets)
 
 
 @pytest.fixture(scope="session")
