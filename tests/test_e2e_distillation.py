@@ -16,9 +16,9 @@ student - teacher logprob over the batch's loss tokens) at the start.
 
 Not checked: that the KL falls (services/trainer/tests/test_trainer_distillation_learning.py shows it falling
 through the real trainer, scored on a real teacher pool, with 32 groups per step at lr 1e-3 over 20 steps, and
-rising with 4 groups or at lr 1e-2, even on the exact gradient: at this test's scale a fall is not expected). Measured (4 groups of 8 per step on 2
-prompts, lr 1e-3, 12 steps): one run fell
-(0.03, 2.17, 1.79, 1.73, 1.52, 1.50, 1.07, 1.18, 0.43, 0.73, 0.51, 1.08), one beside two other e2e jobs did not (1.58,
+rising with 4 groups or at lr 1e-2, even on the exact gradient: at this test's scale a fall is not expected).
+Measured (4 groups of 8 per step on 2 prompts, lr 1e-3, 12 steps): one run fell (0.03, 2.17, 1.79, 1.73, 1.52,
+1.50, 1.07, 1.18, 0.43, 0.73, 0.51, 1.08), one beside two other e2e jobs did not (1.58,
 1.52, 1.61, 1.82, 1.87, 1.62, 1.97, 1.82, 1.29, 1.08, 1.67, 1.48): at this scale the step-to-step spread (~0.3) is
 as large as a dozen steps' learning. Before the trainer stopped skipping steps whose task rewards were all equal,
 with 2 groups per step, runs ranged from a 55 % fall to a 25 % rise. The task reward alone (kl_coef 1e-6,
