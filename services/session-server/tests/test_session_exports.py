@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -108,12 +109,20 @@ async def test_errors_pass_through_and_a_dead_helper_is_replaced(
         assert again.status_code == 200 and again.json()["session_id"] == sid
         (second_pid,) = exports.pids
         assert second_pid != first_pid
+        # A body never read (its client left before the head went out) kills its helper and frees its slot.
+        abandoned = await exports._through_helper(ViewRequest("describe", meta))
+        del abandoned
+        gc.collect()
+        replaced = await asyncio.wait_for(exporting.get(f"/v1/sessions/{sid}", headers=auth), timeout=60)
+        assert replaced.status_code == 200
+        (third_pid,) = exports.pids
+        assert third_pid != second_pid
         await exporting.delete(f"/v1/sessions/{sid}", headers=auth)
         # Deleted after the server authorized it: the helper's 404 is the answer, as built in process.
         answer = await exports._through_helper(ViewRequest("describe", meta))
         body = b"".join([piece async for piece in answer.body])
         assert answer.status == 404 and b'"code":"session_not_found"' in body
-        assert exports.pids == [second_pid]  # an error answer leaves the helper usable
+        assert exports.pids == [third_pid]  # an error answer leaves the helper usable
 
 
 async def test_the_memory_store_is_answered_in_process(

@@ -28,7 +28,8 @@ import json
 import logging
 import struct
 import sys
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +173,22 @@ class ExportProcesses:
             raise
         return Answer(head["status"], head["media_type"], self._relay(helper), dict(head.get("headers") or {}))
 
-    async def _relay(self, helper: _Helper) -> AsyncIterator[bytes]:
+    def _relay(self, helper: _Helper) -> AsyncIterator[bytes]:
+        """The body's pieces. The helper goes back to the pool once the body is read to its end; a body that is
+        abandoned, even one never started (its client went away before the head was sent), kills it."""
+        released = False
+
+        def release(reusable: bool) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(helper, reusable=reusable)
+
+        body = self._frames(helper, release)
+        weakref.finalize(body, release, False)
+        return body
+
+    async def _frames(self, helper: _Helper, release: Callable[[bool], None]) -> AsyncIterator[bytes]:
         complete = False
         try:
             while True:
@@ -189,7 +205,7 @@ class ExportProcesses:
         except asyncio.IncompleteReadError as exc:
             raise ExportUnavailableError("the export process exited mid-answer", retry_after_s=1.0) from exc
         finally:
-            self._release(helper, reusable=complete)
+            release(complete)
 
     def _apply_counters(self, counters: list[dict[str, Any]]) -> None:
         for entry in counters:
