@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-TTFT_ROUNDS = 9
+TTFT_ROUNDS = 25
 TTFT_USER_WORDS = 600
 TTFT_MAX_TOKENS = 32
 BIG_TURNS = 6
