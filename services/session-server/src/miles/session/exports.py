@@ -153,7 +153,10 @@ class ExportProcesses:
     async def _through_helper(self, request: ViewRequest) -> Answer:
         helper = await self._queue().get()
         try:
-            if helper is None or not helper.alive:
+            if helper is not None and not helper.alive:  # died while idle: replaced
+                self._helpers.discard(helper)
+                helper = None
+            if helper is None:
                 helper = await self._spawn()
             assert helper.process.stdin is not None
             helper.process.stdin.write(json.dumps(request.to_json()).encode() + b"\n")
