@@ -45,7 +45,10 @@ async def _answer(views: SessionViews, metrics: SessionMetrics, line: bytes, out
     before = metrics.exported_values()
     try:
         rendered = await views.render(ViewRequest.from_json(json.loads(line)))
-    except MilesError as exc:
+    except Exception as exc:  # a MilesError is its own answer; anything else is a bug: 500, as in process
+        if not isinstance(exc, MilesError):
+            logger.exception("export failed")
+            exc = MilesError(f"the export failed: {type(exc).__name__}")
         response = error_response(exc)
         headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
         _write(out, HEAD, _head(response.status_code, "application/json", headers))
