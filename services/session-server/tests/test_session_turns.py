@@ -1,5 +1,6 @@
 """The turn flow in-process (memory store, scripted SGLang-protocol engine): TITO prefix, records, tool calls,
-retry rollback, concurrent turns, streaming, and that every refusal leaves the session usable."""
+retry rollback, concurrent turns (both also on the Redis store, whose appending phase 1 takes no lock), the Redis
+round trips of a turn, streaming, and that every refusal leaves the session usable."""
 
 from __future__ import annotations
 
@@ -58,11 +59,24 @@ async def test_turns_extend_the_token_buffer_and_are_recorded(
     assert scripted_engine.requests[0]["body"]["return_logprob"] is True
 
 
+def store_settings(store: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """make_session_app overrides for `store`: the memory store, or the Redis store on the real test Redis (its own
+    key prefix per test)."""
+    if store == "memory":
+        return {}
+    prefix = "t-" + request.node.name.replace("[", "-").rstrip("]")
+    return {"store_backend": "redis", "redis_url": request.getfixturevalue("redis_url"), "key_prefix": prefix}
+
+
+STORES = ["memory", pytest.param("redis", marks=pytest.mark.integration)]
+
+
+@pytest.mark.parametrize("store", STORES)
 async def test_retry_rolls_back_one_turn_but_not_two(
-    make_session_app: Any, scripted_engine: Any, operator_token: str
+    make_session_app: Any, scripted_engine: Any, operator_token: str, store: str, request: pytest.FixtureRequest
 ) -> None:
     scripted_engine.script = ["One.", "Two.", "Three.", "Again."]
-    async with make_session_app(scripted_engine.url) as client:
+    async with make_session_app(scripted_engine.url, **store_settings(store, request)) as client:
         sid, auth = await create(client, operator_token)
         h1 = [{"role": "user", "content": "a"}]
         r1 = (await chat(client, sid, auth, h1)).json()["choices"][0]["message"]
@@ -80,10 +94,11 @@ async def test_retry_rolls_back_one_turn_but_not_two(
     assert view["tito_session_mismatch"]["num_critical"] == 0
 
 
+@pytest.mark.parametrize("store", STORES)
 async def test_concurrent_turns_on_one_session_record_exactly_one(
-    make_session_app: Any, scripted_engine: Any, operator_token: str
+    make_session_app: Any, scripted_engine: Any, operator_token: str, store: str, request: pytest.FixtureRequest
 ) -> None:
-    async with make_session_app(scripted_engine.url) as client:
+    async with make_session_app(scripted_engine.url, **store_settings(store, request)) as client:
         sid, auth = await create(client, operator_token)
         history = [{"role": "user", "content": "hi"}]
         replies = await asyncio.gather(*(chat(client, sid, auth, history) for _ in range(4)))
@@ -99,6 +114,44 @@ async def test_concurrent_turns_on_one_session_record_exactly_one(
         assert (
             await chat(client, sid, auth, [*history, message, {"role": "user", "content": "more"}])
         ).status_code == 200
+
+
+def command_calls(redis_url: str) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT (commands run by scripts included)."""
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+@pytest.mark.integration
+async def test_an_appending_turn_costs_two_redis_round_trips_and_a_rollback_takes_the_lock(
+    make_session_app: Any, scripted_engine: Any, operator_token: str, redis_url: str
+) -> None:
+    import redis
+
+    scripted_engine.script = ["One.", "Two.", "Three."]
+    async with make_session_app(scripted_engine.url, store_backend="redis", redis_url=redis_url) as client:
+        sid, auth = await create(client, operator_token)
+        h1 = [{"role": "user", "content": "a"}]
+        r1 = (await chat(client, sid, auth, h1)).json()["choices"][0]["message"]
+        with redis.Redis.from_url(redis_url) as admin:
+            admin.config_resetstat()
+        h2 = [*h1, r1, {"role": "user", "content": "b"}]
+        assert (await chat(client, sid, auth, h2)).json()["miles"]["recorded"] is True
+        appended = command_calls(redis_url)
+        with redis.Redis.from_url(redis_url) as admin:
+            admin.config_resetstat()
+        retry = await chat(client, sid, auth, [*h1, r1, {"role": "user", "content": "b, rephrased"}])
+        assert retry.json()["miles"]["recorded"] is True and retry.json()["miles"]["turn_index"] == 1
+        await asyncio.sleep(0.05)  # the lock's release is sent in the background
+        rolled_back = command_calls(redis_url)
+    # auth + state in one HMGET, then the fenced commit script; no lock taken (SET NX) and nothing else read
+    assert appended.get("hmget") == 1 and appended.get("evalsha") == 1, appended
+    assert "set" not in appended and "lrange" not in appended, appended
+    # a rollback keeping one record reads state and records under the lock: lock-and-load, release, commit
+    assert rolled_back.get("evalsha") == 3 and rolled_back.get("set") == 1 and rolled_back.get("lrange") == 1
 
 
 @pytest.mark.parametrize("delta_stream", [False, True])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -40,7 +41,7 @@ from miles.session.records import IdempotencyRecord, ModelConfig, SessionMeta
 from miles.session.settings import SessionSettings
 from miles.session.store import SessionStore
 from miles.session.tito import UnknownFamilyError, get_family
-from miles.session.turns import TurnRunner
+from miles.session.turns import TurnRunner, TurnStart
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ class CreatedSession:
     ttl_s: float
     replayed: bool = False
     """An Idempotency-Key replay: the session already existed and `token` is its freshly rotated token."""
+
+
+def _check_token(meta: SessionMeta, token: str, *, is_operator: bool) -> None:
+    if not is_operator and not hmac.compare_digest(token_digest(token), meta.token_sha256):
+        raise WrongTokenError(f"the token is not the capability token of session {meta.session_id}")
 
 
 class SessionCore:
@@ -235,9 +241,17 @@ class SessionCore:
         meta = await self.store.get_meta(session_id)
         if meta is None:
             raise SessionNotFoundError(f"session {session_id} does not exist (deleted or expired)")
-        if not is_operator and not hmac.compare_digest(token_digest(token), meta.token_sha256):
-            raise WrongTokenError(f"the token is not the capability token of session {session_id}")
+        _check_token(meta, token, is_operator=is_operator)
         return meta
+
+    async def authorize_turn(self, session_id: str, token: str, *, is_operator: bool) -> TurnStart:
+        """`authorize`, and the session's state read in the same round trip (a turn's phase 1 starts from it)."""
+        found = await self.store.load_turn_start(
+            session_id, functools.partial(_check_token, token=token, is_operator=is_operator)
+        )
+        if found is None:
+            raise SessionNotFoundError(f"session {session_id} does not exist (deleted or expired)")
+        return TurnStart(*found)
 
     def check_chat(self, request: ChatCompletionRequest) -> None:
         """The server's limits on a chat request (a turn, streamed or not, is run by turns.py / streaming.py)."""
@@ -247,7 +261,7 @@ class SessionCore:
             )
 
     async def delete(self, session_id: str) -> None:
-        if not await self.store.delete(session_id):  # waits for an in-flight phase 1 or 3, never for the engine
+        if not await self.store.delete(session_id):  # waits for a rollback's phase 1 or a commit, never for the engine
             raise SessionNotFoundError(f"session {session_id} does not exist (deleted or expired)")
         self.metrics.sessions_deleted.inc()
 

@@ -270,13 +270,13 @@ def _session_routes(
     )
     async def chat_completions(session_id: SessionId, request: Request) -> Response:
         token, is_operator = auth.session_caller(request)
-        meta = await core.authorize(session_id, token, is_operator=is_operator)
+        start = await core.authorize_turn(session_id, token, is_operator=is_operator)
         body = await parse_body(request, ChatCompletionRequest)
         core.check_chat(body)
         if not body.stream:
-            result = await core.turns.run(meta, body)
+            result = await core.turns.run(start, body)
             return JSONResponse(result, headers=openai_format.budget_headers(result))
-        stream = await streams.open(meta, body)  # refusals up to the engine's answer status are HTTP errors
+        stream = await streams.open(start, body)  # refusals up to the engine's answer status are HTTP errors
         return StreamingResponse(
             stream.events(),
             media_type="text/event-stream",

@@ -2,8 +2,11 @@
 
 Backends: `RedisStore` (default; every replica shares it, so any replica serves any session) and `MemoryStore`
 (one process; unit tests and single-process demos). Both keep the same semantics:
-- `locked_state(session_id)` is phase 1 of a turn: it takes the per-session lock and reads the state in one step,
-  and releases the lock on exit. The lock is a lease: a holder that dies frees it after lock_ttl_s.
+- `load_turn_start(session_id, authorize)` is phase 1 of an appending turn: the meta and the state in one atomic
+  read (one round trip), without the lock; the commit's fencing makes the lock redundant there, since nothing in
+  phase 1 writes. `locked_state(session_id)` is phase 1 of a rollback, which also reads the records: it takes the
+  per-session lock and reads the state in one step, and releases the lock on exit, so that state and records
+  agree. The lock is a lease: a holder that dies frees it after lock_ttl_s.
 - `commit` is phase 3: one atomic step that waits while another request holds the lock, and is fenced by the
   session's version counter: it applies only if nothing committed since the turn read the session
   (`CommitOutcome.CONCURRENT_TURN` otherwise, counted as a not-recorded turn), so an expired lease cannot corrupt
@@ -21,6 +24,7 @@ Backends: `RedisStore` (default; every replica shares it, so any replica serves 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,6 +79,13 @@ class SessionStore(Protocol):
 
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         """The session's fixed part, or None when there is no live session with this id."""
+        ...
+
+    async def load_turn_start(
+        self, session_id: str, authorize: Callable[[SessionMeta], None]
+    ) -> tuple[SessionMeta, SessionState] | None:
+        """The meta and the state of a live session read in one atomic step without the lock (None: no session).
+        `authorize(meta)` runs before the state is parsed and raises to refuse, so a refused caller costs no parse."""
         ...
 
     async def num_token_ids(self, session_id: str) -> int:

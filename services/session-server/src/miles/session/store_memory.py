@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from miles.common.aio import acquire_within
@@ -102,6 +102,15 @@ class MemoryStore:
     async def load_state(self, session_id: str) -> SessionState | None:
         entry = self._live(session_id)
         return entry.state if entry else None
+
+    async def load_turn_start(
+        self, session_id: str, authorize: Callable[[SessionMeta], None]
+    ) -> tuple[SessionMeta, SessionState] | None:
+        entry = self._live(session_id)
+        if entry is None:
+            return None
+        authorize(entry.meta)
+        return entry.meta, entry.state
 
     async def load_records(self, session_id: str) -> list[TurnRecord]:
         entry = self._live(session_id)

@@ -14,9 +14,10 @@ Keys (`P` = key_prefix; `{id}` is a hash tag keeping one session's keys together
 - `P:job:<job_id>:config`, `P:job:<job_id>:adapter`: a job's ModelConfig and its live adapter (store_redis_jobs.py).
 - `P:idem:<sha256 of an Idempotency-Key>` "<session_id> <body sha256>": created with its session by one script,
   given the same expiry by every commit, deleted with it.
-Each critical section is one Lua script, so a turn costs four round trips: read meta (auth), take the lock and
-read the state (phase 1), release (in the background, during the engine call), and the fenced commit (phase 3; it
-also refreshes the TTLs and the index).
+An appending turn costs two round trips: one HMGET of the meta (auth) and the state (phase 1, no lock: the commit
+is fenced), and the fenced commit script (phase 3; it also refreshes the TTLs and the index). A rollback turn also
+takes the lock and reads the state and the records under it (the lock is released in the background, during the
+engine call). Each critical section is one Lua script.
 Scripts touch the shared `P:live` key and idempotency keys too, so the store expects a single Redis (with AOF),
 not a cluster.
 """
@@ -136,6 +137,14 @@ def _text(value: Any) -> str:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _meta(raw: Any, token: Any) -> SessionMeta | None:
+    """The meta of a session hash's `meta` and `token` fields (None when there is no session)."""
+    if raw is None:
+        return None
+    meta = SessionMeta.from_json(json.loads(raw))
+    return meta if token is None else dataclasses.replace(meta, token_sha256=_text(token))
 
 
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -270,12 +279,19 @@ class RedisStore(RedisTree, RedisJobs):
     @store_errors
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         raw, token = await self._redis.hmget(self._key(session_id), ["meta", "token"])
-        if raw is None:
-            return None
-        meta = SessionMeta.from_json(json.loads(raw))
-        return meta if token is None else dataclasses.replace(meta, token_sha256=_text(token))
+        return _meta(raw, token)
 
     @store_errors
+    async def load_turn_start(
+        self, session_id: str, authorize: Callable[[SessionMeta], None]
+    ) -> tuple[SessionMeta, SessionState] | None:
+        values: list[Any] = await self._redis.hmget(self._key(session_id), ["meta", "token", *_STATE_FIELDS])
+        meta = _meta(values[0], values[1])
+        if meta is None or values[2] is None:
+            return None
+        authorize(meta)
+        return meta, await _parse_state(values[2:])
+
     @store_errors
     async def num_token_ids(self, session_id: str) -> int:
         return int(await self._redis.hstrlen(self._key(session_id), "ids")) // 4  # int32 ids: O(1), nothing read

@@ -38,9 +38,9 @@ from miles.session.adapters import JobAdapters, served_with
 from miles.session.api_models import ChatCompletionRequest
 from miles.session.metrics import SessionMetrics
 from miles.session.openai_format import budget_headers
-from miles.session.records import Json, LiveAdapter, SessionMeta
+from miles.session.records import Json, LiveAdapter
 from miles.session.stream_text import SafeParts, StreamedMessage
-from miles.session.turns import PreparedTurn, TurnRunner
+from miles.session.turns import PreparedTurn, TurnRunner, TurnStart
 from miles.session.upstream import Completion, EngineClient, UpstreamStream
 
 tracer = trace.get_tracer("miles.session")
@@ -62,11 +62,11 @@ class StreamingTurns:
         self._adapters = adapters
         self._metrics = metrics
 
-    async def open(self, meta: SessionMeta, request: ChatCompletionRequest) -> TurnStream:
+    async def open(self, start: TurnStart, request: ChatCompletionRequest) -> TurnStream:
         """The turn's stream, once the engine answered 200 (MilesError for every refusal before that)."""
         started_s = time.perf_counter()
         try:
-            turn = await self._turns.prepare(meta, request)
+            turn = await self._turns.prepare(start, request)
             upstream, adapter = await self._open_upstream(turn)
         except MilesError as exc:
             self._turns.count_failure(exc)

@@ -1,6 +1,7 @@
 """One chat turn, the three-phase lock (Miles' flow over a shared store):
 
-1. prepare (under the session lock): read the session, decide append / retry-rollback, build the prompt ids with
+1. prepare: read the session (with the auth read, one round trip, no lock), decide append / retry-rollback (a
+   rollback re-reads the state and the records under the session lock, so they agree), build the prompt ids with
    TITO (only the new messages are rendered and encoded);
 2. generate (no lock): SGLang-native /generate through the rollout router;
 3. commit (atomic, waiting while another request holds the lock): the session's version must be the one phase 1
@@ -43,13 +44,22 @@ from miles.session.history import TurnPlan, num_records_to_keep, plan_turn
 from miles.session.metrics import SessionMetrics
 from miles.session.model_assets import ModelRegistry, SessionModel
 from miles.session.openai_format import CompletionBudget
-from miles.session.records import CommitOutcome, Json, SessionMeta, TurnCommit
+from miles.session.records import CommitOutcome, Json, SessionMeta, SessionState, TurnCommit
 from miles.session.store import SessionStore
 from miles.session.tree import TreeTurnPlan
 from miles.session.tree_turns import TreeLimits, check_tree_room, prepare_tree_turn, tree_commit, tree_fields
 from miles.session.upstream import Completion, EngineClient, UpstreamAbortedError, pinned_weight_version
 
 tracer = trace.get_tracer("miles.session")
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """A turn's first read: the session's meta and state, read together with the auth check (store.load_turn_start).
+    A tree turn uses only the meta."""
+
+    meta: SessionMeta
+    state: SessionState
 
 
 @dataclass(frozen=True)
@@ -107,11 +117,11 @@ class TurnRunner:
         self._tree_limits = tree_limits
         self._adapters = adapters
 
-    async def run(self, meta: SessionMeta, request: ChatCompletionRequest) -> Json:
+    async def run(self, start: TurnStart, request: ChatCompletionRequest) -> Json:
         """The chat.completion body of one turn (MilesError subclasses for every refusal)."""
         started_s = time.perf_counter()
         try:
-            turn = await self.prepare(meta, request)
+            turn = await self.prepare(start, request)
             with tracer.start_as_current_span("session.upstream", attributes=turn.attributes) as span:
                 phase_started_s = time.perf_counter()
                 completion = await self._generate(turn)
@@ -138,22 +148,28 @@ class TurnRunner:
             self._metrics.routing_row_mismatches.inc()
         self._metrics.upstream_errors.labels(kind=_upstream_error_kind(exc)).inc()
 
-    async def _prepare(self, meta: SessionMeta, model: SessionModel, request: ChatCompletionRequest) -> TurnPlan:
-        async with self._store.locked_state(meta.session_id) as state:
-            if state is None:
-                raise SessionNotFoundError(f"session {meta.session_id} does not exist (deleted or expired)")
-            num_keep = num_records_to_keep(state, request.messages)
-            needs_records = 0 < num_keep < state.num_records
-            records = await self._store.load_records(meta.session_id) if needs_records else []
-            plan = plan_turn(
-                model.tito,
-                state,
-                records,
-                request.messages,
-                num_keep=num_keep,
-                request_tools=request.tools,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
+    async def _prepare(self, start: TurnStart, model: SessionModel, request: ChatCompletionRequest) -> TurnPlan:
+        """Phase 1 of a linear turn. An append plans from the state read with the auth check (the commit is fenced
+        on its version); a rollback that keeps some records reads the state and the records again under the lock."""
+        state, records = start.state, []
+        num_keep = num_records_to_keep(state, request.messages)
+        if 0 < num_keep < state.num_records:
+            session_id = start.meta.session_id
+            async with self._store.locked_state(session_id) as locked:
+                if locked is None:
+                    raise SessionNotFoundError(f"session {session_id} does not exist (deleted or expired)")
+                state = locked
+                num_keep = num_records_to_keep(state, request.messages)
+                records = await self._store.load_records(session_id) if 0 < num_keep < state.num_records else []
+        plan = plan_turn(
+            model.tito,
+            state,
+            records,
+            request.messages,
+            num_keep=num_keep,
+            request_tools=request.tools,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
         if num_keep < state.num_records:
             self._metrics.rollbacks.inc()
         return plan
@@ -234,8 +250,9 @@ class TurnRunner:
             raise
         return TurnRouting(turn.routing_start, chunk)
 
-    async def prepare(self, meta: SessionMeta, request: ChatCompletionRequest) -> PreparedTurn:
+    async def prepare(self, start: TurnStart, request: ChatCompletionRequest) -> PreparedTurn:
         """Phase 1 and the checks before the engine is called (nothing is written)."""
+        meta = start.meta
         attributes = {"miles.session_id": meta.session_id, "miles.job_id": meta.job_id}
         model = await self._models.get(meta.model)
         if request.parent_node_id is not None and not meta.tree:
@@ -249,7 +266,7 @@ class TurnRunner:
             if meta.tree:
                 plan = await prepare_tree_turn(self._store, meta, model, request, self._tree_limits)
             else:
-                plan = await self._prepare(meta, model, request)
+                plan = await self._prepare(start, model, request)
             self._observe_phase("prepare", phase_started_s)
         prompt_ids = plan.prompt.prompt_ids
         routing_start = None
