@@ -6,6 +6,7 @@ Tests run with --import-mode=importlib, so helpers are handed out as fixtures ra
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -195,7 +196,9 @@ class ScriptedEngine(_ThreadServer):
     does for a MoE model of ROUTING_LAYERS x ROUTING_TOP_K of ROUTING_EXPERTS experts (`routing_ids`: a function of
     the tokens up to each position, so prefix-consistent like a real engine's); `routing_rows_delta` answers that
     many rows more (negative: fewer), `omit_routing` none. With `loaded_adapters` set, a `lora_path` outside it is
-    SGLang's 400 "not loaded"; `on_generate(body)` runs (in the engine's thread) before each answer.
+    SGLang's 400 "not loaded"; `on_generate(body)` runs (in the engine's thread) before each answer. With
+    `hold_answers_until` = n, no generation is answered before n /generate requests arrived (concurrent turns all
+    past their phase 1).
     """
 
     ROUTING_LAYERS, ROUTING_TOP_K, ROUTING_EXPERTS = 4, 2, 8
@@ -211,6 +214,8 @@ class ScriptedEngine(_ThreadServer):
         self.omit_routing = False
         self.loaded_adapters: set[str] | None = None
         self.on_generate: Callable[[dict[str, Any]], None] | None = None
+        self.hold_answers_until = 0
+        self._all_arrived: asyncio.Event | None = None
         self._seen: list[list[int]] = []
         self._num_calls = 0
 
@@ -278,6 +283,11 @@ class ScriptedEngine(_ThreadServer):
             self.requests.append({"body": body, "headers": dict(request.headers)})
             if self.on_generate is not None:
                 self.on_generate(body)
+            if self.hold_answers_until:
+                self._all_arrived = self._all_arrived or asyncio.Event()  # made on the engine's own loop
+                if len(self.requests) >= self.hold_answers_until:
+                    self._all_arrived.set()
+                await asyncio.wait_for(self._all_arrived.wait(), timeout=30.0)
             if self.fail_next:
                 status, payload = self.fail_next.pop(0)
                 if isinstance(payload, str):

@@ -112,6 +112,7 @@ async def test_a_prompt_that_leaves_no_token_is_the_precise_400(
         assert one.json()["choices"][0]["finish_reason"] == "length"
 
 
+LONE_SURROGATE_BODY = '{"messages": [{"role": "user", "content": "hi \ud800"}]}'
 TOOL_CALL = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
 SURROGATES: list[tuple[str, bytes]] = [
     ("messages[0].content", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}'),
@@ -137,6 +138,11 @@ SURROGATES: list[tuple[str, bytes]] = [
     ("model", b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}'),
     ("temperature", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'),
     ("top_p", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}'),
+    ("top_p", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}'),
+    ("temperature", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + b"9" * 400 + b".0}"),
+    # a surrogate as raw UTF-8 bytes, and in a UTF-16 body: json.loads decodes both with surrogatepass
+    ("messages[0].content", LONE_SURROGATE_BODY.encode("utf-8", "surrogatepass")),
+    ("messages[0].content", LONE_SURROGATE_BODY.encode("utf-16", "surrogatepass")),
 ]
 
 

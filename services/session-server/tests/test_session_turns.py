@@ -98,6 +98,7 @@ async def test_retry_rolls_back_one_turn_but_not_two(
 async def test_concurrent_turns_on_one_session_record_exactly_one(
     make_session_app: Any, scripted_engine: Any, operator_token: str, store: str, request: pytest.FixtureRequest
 ) -> None:
+    scripted_engine.hold_answers_until = 4  # every turn reads the session before any commits
     async with make_session_app(scripted_engine.url, **store_settings(store, request)) as client:
         sid, auth = await create(client, operator_token)
         history = [{"role": "user", "content": "hi"}]

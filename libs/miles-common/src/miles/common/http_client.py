@@ -20,14 +20,19 @@ from miles.common.logs import request_id_var
 from miles.common.telemetry import inject_context
 
 
-async def _inject_headers(request: httpx.Request) -> None:
+def propagation_headers() -> dict[str, str]:
+    """The headers that carry the current trace context (`traceparent`) and request id to the next service."""
     carrier: dict[str, str] = {}
     inject_context(carrier)
-    for key, value in carrier.items():
-        request.headers.setdefault(key, value)
     request_id = request_id_var.get()
     if request_id:
-        request.headers.setdefault("x-request-id", request_id)
+        carrier["x-request-id"] = request_id
+    return carrier
+
+
+async def _inject_headers(request: httpx.Request) -> None:
+    for key, value in propagation_headers().items():
+        request.headers.setdefault(key, value)
 
 
 CLIENT_KEEPALIVE_EXPIRY_S = 30.0

@@ -163,7 +163,7 @@ class TurnStream:
             self._metrics.stream_interruptions.labels(reason="client_disconnect").inc()
             raise
         finally:
-            await self._upstream.aclose()
+            self._upstream.close()
         for event in self._ending(body):
             yield event
         self._turns.count_answered(body, self._started_s)
