@@ -11,8 +11,9 @@ real trainer trains on what it samples. The task is long-tailed: each episode ma
 episodes are much longer than the rest.
 
 `sync` is barrier-synchronous (the rollout workers start exactly one batch per weight version and wait for the
-next: miles.rollout.barrier), the baseline users compare asynchronous training against; `async` has no barrier
-and trains groups up to 2 versions old (older ones are dropped as stale, counted).
+next: miles.rollout.barrier), the baseline users compare asynchronous training against; `async` has no barrier:
+its workers admit groups into the batches of the live version and the 2 after it (the staleness window), and the
+trainer takes groups up to 2 versions old (a straggler older than that is dropped as stale, counted).
 
 Per mode: one job of NUM_STEPS steps; samples/s = trained samples between step TIMED_FROM_STEP and the last step
 over the time between them (start-up and its backlog excluded); engine idle fraction = share of 0.25 s polls of

@@ -403,7 +403,8 @@ async def test_workers_of_a_sync_job_load_the_barrier_and_the_routers_url(
     job_templates: dict[str, str], controller_kit: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """train.mode sync: the seam controller -> chart -> worker gives the barrier its batch size, the equal-reward
-    rule of the trainer's dynamic sampling and the router to read the version from; an async job has no barrier."""
+    rule of the trainer's dynamic sampling and the router to read the version from; an async job gets the staleness
+    window (its batch size, max_staleness versions ahead)."""
     from miles.common.settings import load_settings
     from miles.rollout.settings import RolloutSettings
 
@@ -424,5 +425,11 @@ async def test_workers_of_a_sync_job_load_the_barrier_and_the_routers_url(
         await backend.start("jk8ssync0002", _spec(controller_kit))
         synced = worker_settings(api.of_job("jk8ssync0001"), "sync")
         assert (synced.sync_batch_groups, synced.sync_drop_equal_rewards) == (3, True)
+        assert synced.admission_versions_ahead == 0
         assert synced.router_url.startswith("http://") and synced.sync_pool == ""
-        assert worker_settings(api.of_job("jk8ssync0002"), "async").sync_batch_groups == 0
+        unsynced = worker_settings(api.of_job("jk8ssync0002"), "async")
+        spec = _spec(controller_kit)
+        assert (unsynced.sync_batch_groups, unsynced.admission_versions_ahead) == (
+            spec.train.batch_size_groups,
+            spec.train.max_staleness,
+        )

@@ -1,7 +1,8 @@
 """The barrier of `train.mode: sync` over a real Redis and a real buffer subprocess, with scripted episodes and a
 live weight version the test moves: two workers together start exactly one batch per version and nothing more
 until the version moves; a group the filters drop (or that the trainer's dynamic sampling would discard) gives its
-place to another; a prompt reclaimed from a dead worker keeps its place."""
+place to another; a prompt reclaimed from a dead worker keeps its place. Async's staleness window: max_staleness
+batches past the live one are admitted, no more, each group into the first version with a place."""
 
 from __future__ import annotations
 
@@ -134,6 +135,50 @@ async def test_two_workers_start_exactly_one_batch_per_version(
         assert len(run.started_at) == 12 and [version for *_, version in run.started_at[6:]] == [1] * 6
     finally:
         await run.stop()
+
+
+async def test_the_async_window_admits_the_live_batch_and_max_staleness_more(
+    make_spec: Callable[..., RolloutSpec],
+    make_sample: Any,
+    redis_client: aioredis.Redis,
+    buffer: BufferClient,
+    job_id: str,
+) -> None:
+    await buffer.configure_job(job_id)
+    versions = Versions()
+    spec = make_spec(num_prompts=12, n_samples_per_prompt=2, concurrency={"max_live_episodes": 8})
+    run = Scheduled(redis_client, buffer, job_id, versions)
+    episodes = run.episodes(make_sample, equal_rewards=set())
+    try:
+        for worker_id in ("w1", "w2"):
+            window = barrier(redis_client, job_id, versions, batch_size_groups=2, versions_ahead=1)
+            run.start(spec, worker_id, episodes, window)
+        await run.pushed(4)  # batches of versions 0 and 1 while 0 is live: 2 x 2 groups, then nothing
+        assert {version for *_, version in run.started_at} == {0}
+        versions.live = 1  # the trainer trained batch 0: batch 2 opens, batch 1 is already generated
+        await run.pushed(6)
+        assert [version for *_, version in run.started_at[8:]] == [1] * 4
+    finally:
+        await run.stop()
+
+
+async def test_window_admission_fills_the_oldest_version_first_and_keeps_a_reclaimed_place(
+    redis_client: aioredis.Redis, job_id: str
+) -> None:
+    versions = Versions()
+    one = barrier(redis_client, job_id, versions, batch_size_groups=2, versions_ahead=2, poll_interval_s=0.01)
+    assert [await one.admit(seq) for seq in range(6)] == [0, 0, 1, 1, 2, 2]
+    other = barrier(redis_client, job_id, versions, batch_size_groups=2, versions_ahead=2, poll_interval_s=0.01)
+    assert await other.admit(3) == 1  # reclaimed from a dead worker: the same place, not a second one
+    waiting = asyncio.create_task(other.admit(6))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # the window (live version 0, two ahead) is full
+    await one.give_back(2)  # filtered: its place in batch 1 is free again
+    assert await asyncio.wait_for(waiting, 5) == 1
+    versions.live = 1
+    assert [await one.admit(seq) for seq in (7, 8)] == [3, 3]  # batches 1 and 2 are full: the new one, 3
+    with pytest.raises(ValueError):
+        barrier(redis_client, job_id, versions, batch_size_groups=2, versions_ahead=-1)
 
 
 async def test_filtered_groups_give_their_place_to_others(

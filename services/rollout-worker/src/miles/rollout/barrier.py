@@ -1,4 +1,6 @@
-"""The barrier-synchronous rollout of `train.mode: sync`: exactly one batch per weight version, then wait.
+"""Admission of groups by weight version: the barrier of `train.mode: sync`, and the staleness window of async.
+
+**Sync** (`versions_ahead` 0): exactly one batch per weight version, then wait.
 
 The classic synchronous RL loop, as the baseline users compare asynchronous training against: while the engines
 serve version v, the job's workers start groups for v until `batch_size_groups` of them are admitted; then no
@@ -25,8 +27,16 @@ version among the pool's available engines). The router learns a new version whe
 updated engine (pause_mode drain, the default) or at its next version poll (`version_poll_interval_s`, 2 s)
 otherwise.
 
+**Async** (`versions_ahead` = the trainer's max_staleness S): a group is admitted into the batch of one of the
+versions v .. v+S (v live), the first with a place. The trainer trains batch u at version u, so a group admitted
+while v is live is trained at most S versions after the weights it starts with: staleness is bounded by what is
+admitted instead of by dropping what was generated. At most (S+1) batches are ahead of the trainer; when the
+window is full, new groups wait for the next version, and the engines stay busy with the groups already admitted.
+Only a straggler (a long-tail episode still running when the trainer has moved S versions past its batch) can
+still end up stale, and the buffer drops it as before. Places given back and discards work as for sync.
+
 Limits: a job on a shared LoRA pool has no engine version of its own (adapter versions): its workers run
-without the barrier and `sync` then means the trainer takes only staleness-0 groups.
+without admission, `sync` then means the trainer takes only staleness-0 groups, and async the trainer's bound.
 """
 
 from __future__ import annotations
@@ -69,17 +79,23 @@ redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
 return now - seen
 """
 
+# KEYS: (admission set, extra places) per version of the window, oldest first. ARGV: seq, batch size, ttl s.
+# -> the window index of the set holding seq (already there, or added to the first with a place), else -1.
 _ADMIT = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
-  return 1
+for i = 1, #KEYS, 2 do
+  if redis.call('SISMEMBER', KEYS[i], ARGV[1]) == 1 then
+    return (i - 1) / 2
+  end
 end
-local limit = tonumber(ARGV[2]) + tonumber(redis.call('GET', KEYS[2]) or '0')
-if redis.call('SCARD', KEYS[1]) < limit then
-  redis.call('SADD', KEYS[1], ARGV[1])
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-  return 1
+for i = 1, #KEYS, 2 do
+  local limit = tonumber(ARGV[2]) + tonumber(redis.call('GET', KEYS[i + 1]) or '0')
+  if redis.call('SCARD', KEYS[i]) < limit then
+    redis.call('SADD', KEYS[i], ARGV[1])
+    redis.call('EXPIRE', KEYS[i], tonumber(ARGV[3]))
+    return (i - 1) / 2
+  end
 end
-return 0
+return -1
 """
 
 
@@ -98,12 +114,17 @@ class SyncBarrier:
         drop_equal_rewards: bool = False,
         discarded: DiscardedFn | None = None,
         refill_check_s: float = REFILL_CHECK_S,
+        versions_ahead: int = 0,
     ) -> None:
         """`http_client`: the client `live_version` uses, closed with the barrier. `drop_equal_rewards`: groups
         of equal rewards do not count (the trainer's dynamic sampling would discard them). `discarded`: the
-        buffer's count of groups the trainer discarded; each new one opens a place (see the module docstring)."""
+        buffer's count of groups the trainer discarded; each new one opens a place (see the module docstring).
+        `versions_ahead`: 0 is the sync barrier; S > 0 the async staleness window of S versions past the live one."""
         if batch_size_groups < 1:
             raise ValueError("batch_size_groups must be >= 1")
+        if versions_ahead < 0:
+            raise ValueError("versions_ahead must be >= 0")
+        self.versions_ahead = versions_ahead
         self._client = client
         self._base = f"{key_prefix}:{{{job_id}}}:sync"
         self.batch_size_groups = batch_size_groups
@@ -132,6 +153,7 @@ class SyncBarrier:
         metrics: RolloutMetrics,
         drop_equal_rewards: bool = False,
         discarded: DiscardedFn | None = None,
+        versions_ahead: int = 0,
     ) -> SyncBarrier:
         http_client = httpx.AsyncClient(timeout=10.0)
         return cls(
@@ -144,6 +166,7 @@ class SyncBarrier:
             http_client=http_client,
             drop_equal_rewards=drop_equal_rewards,
             discarded=discarded,
+            versions_ahead=versions_ahead,
         )
 
     async def start(self) -> None:
@@ -158,21 +181,25 @@ class SyncBarrier:
             await self._http_client.aclose()
 
     async def admit(self, seq: int) -> int:
-        """Waits until `seq` has a place in the batch of the live version (one given back, or the next version's);
-        returns that version."""
+        """Waits until `seq` has a place in the batch of a version of the window (the live one's for sync; one
+        given back, or a later version's); returns that version."""
         waited_since: float | None = None
         refill_at = time.monotonic() + self.refill_check_s
         while True:
             raise_if_cancel_requested()  # a cancellation a Redis call swallowed must still end the wait
-            version = await self._wait_for_version()
-            keys = [f"{self._base}:{version}", f"{self._base}:{version}:extra"]
+            live = await self._wait_for_version()
+            keys = []
+            for version in range(live, live + self.versions_ahead + 1):
+                keys += [f"{self._base}:{version}", f"{self._base}:{version}:extra"]
             args = [seq, self.batch_size_groups, KEY_TTL_S]
-            if await _retrying(functools.partial(self._admit, keys=keys, args=args)):
+            index = int(await _retrying(functools.partial(self._admit, keys=keys, args=args)))
+            if index >= 0:
+                version = live + index
                 break
             waited_since = waited_since or time.monotonic()
             if time.monotonic() >= refill_at:
                 refill_at = time.monotonic() + self.refill_check_s
-                await self._refill_discarded(version, keys[1])
+                await self._refill_discarded(live, keys[1])
             await asyncio.sleep(self.poll_interval_s)
         if waited_since is not None:
             self._metrics.sync_barrier_wait_s.inc(time.monotonic() - waited_since)

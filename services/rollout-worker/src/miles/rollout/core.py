@@ -165,6 +165,7 @@ class RolloutWorker:
                 metrics=metrics,
                 drop_equal_rewards=settings.sync_drop_equal_rewards,
                 discarded=functools.partial(groups_discarded, buffer, job_id),
+                versions_ahead=settings.admission_versions_ahead,
             )
         scheduler = RolloutScheduler(
             spec=spec,

@@ -11,8 +11,9 @@ A group whose every episode failed because the session server was unreachable is
 back to the cursor undecided and new episodes wait (5 s, doubling up to 60 s while it lasts), so an outage
 pauses the rollout instead of using up prompts.
 
-With a `SyncBarrier` (`train.mode: sync`), a claimed prompt starts only once it has a place in the batch of the
-live weight version (miles.rollout.barrier); a group that is filtered or retried gives its place back.
+With a `SyncBarrier`, a claimed prompt starts only once it has a place in a batch: the live weight version's
+(`train.mode: sync`), or one of the max_staleness versions after it (async's staleness window;
+miles.rollout.barrier); a group that is filtered or retried gives its place back.
 
 When the cursor has nothing left (every epoch handed out) the scheduler keeps polling it, because leases of a
 dead worker and requeued prompts can still come back; `exhausted` is true while it finds nothing and has

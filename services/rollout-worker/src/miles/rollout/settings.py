@@ -77,9 +77,15 @@ class RolloutSettings(ServiceSettings):
     controller from `train.distillation`."""
 
     sync_batch_groups: int = Field(default=0, ge=0)
-    """`train.mode: sync` (barrier-synchronous): groups started per weight version, the trainer's
-    batch_size_groups; no new group starts until the job's engines serve the next version
-    (miles.rollout.barrier). 0 = no barrier (async). Set by the controller."""
+    """Groups admitted per weight version, the trainer's batch_size_groups (miles.rollout.barrier): with
+    `admission_versions_ahead` 0 the barrier of `train.mode: sync` (no new group starts until the job's engines
+    serve the next version), else async's staleness window. 0 = no admission (every group starts at once). Set by
+    the controller."""
+
+    admission_versions_ahead: int = Field(default=0, ge=0)
+    """With `sync_batch_groups`: how many versions past the live one a group may be admitted for; 0 = the sync
+    barrier, the trainer's max_staleness for async (a group is trained at most that many versions after the
+    weights it starts with). Set by the controller."""
 
     sync_drop_equal_rewards: bool = False
     """With the barrier: groups whose trainable rewards are all equal (within each role) are not pushed and give

@@ -190,16 +190,21 @@ class JobBackend(Protocol):
 
 
 def sync_batch_groups(spec: JobSpec) -> int:
-    """The rollout workers' barrier (train.mode sync): one batch per version of the job's own engines. A job on a
-    shared LoRA pool has no engine version of its own to wait on: no barrier (the trainer still takes only
-    staleness-0 groups)."""
-    if spec.train.mode != "sync" or spec.resources.engines.shared_pool is not None:
+    """Groups the rollout workers admit per version of the job's own engines (miles.rollout.barrier): the barrier
+    of train.mode sync, the staleness window of async. A job on a shared LoRA pool has no engine version of its
+    own to wait on: no admission (the trainer still bounds staleness)."""
+    if spec.resources.engines.shared_pool is not None:
         return 0
     return spec.train.batch_size_groups
 
 
 def barrier_settings(spec: JobSpec) -> dict[str, int | bool]:
-    """The rollout workers' barrier settings: groups per version, and whether equal-reward groups do not count
+    """The rollout workers' admission settings: groups per version, how many versions past the live one a group
+    may be admitted for (0: the sync barrier; async: max_staleness), and whether equal-reward groups do not count
     (the trainer discards them under dynamic sampling, so the batch needs others in their place)."""
     groups = sync_batch_groups(spec)
-    return {"sync_batch_groups": groups, "sync_drop_equal_rewards": bool(groups) and spec.train.discards_zero_signal}
+    return {
+        "sync_batch_groups": groups,
+        "admission_versions_ahead": spec.train.effective_max_staleness if groups else 0,
+        "sync_drop_equal_rewards": bool(groups) and spec.train.discards_zero_signal,
+    }
