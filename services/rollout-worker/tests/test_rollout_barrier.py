@@ -113,51 +113,40 @@ class Scheduled:
         assert (await self.buffer.stats(self.job_id)).pushed_total == expected
 
 
-async def test_two_workers_start_exactly_one_batch_per_version(
+@pytest.mark.parametrize(
+    ("versions_ahead", "batch_size_groups", "max_live_episodes"),
+    [(0, 3, 4), (1, 2, 8)],
+    ids=["sync barrier", "async window"],
+)
+async def test_two_workers_start_exactly_the_batches_of_the_window_per_version(
     make_spec: Callable[..., RolloutSpec],
     make_sample: Any,
     redis_client: aioredis.Redis,
     buffer: BufferClient,
     job_id: str,
+    versions_ahead: int,
+    batch_size_groups: int,
+    max_live_episodes: int,
 ) -> None:
+    """Sync: one batch per version. The async window: the live version's batch and versions_ahead more, then one
+    new batch per version (the others are already generated)."""
     await buffer.configure_job(job_id)
     versions = Versions()
-    spec = make_spec(num_prompts=10, n_samples_per_prompt=2, concurrency={"max_live_episodes": 4})
+    spec = make_spec(num_prompts=12, n_samples_per_prompt=2, concurrency={"max_live_episodes": max_live_episodes})
     run = Scheduled(redis_client, buffer, job_id, versions)
     episodes = run.episodes(make_sample, equal_rewards=set())
+    first = batch_size_groups * (versions_ahead + 1)
     try:
         for worker_id in ("w1", "w2"):
-            run.start(spec, worker_id, episodes, barrier(redis_client, job_id, versions, batch_size_groups=3))
-        await run.pushed(3)
-        assert len(run.started_at) == 6 and {version for *_, version in run.started_at} == {0}
-        versions.live = 1
-        await run.pushed(6)
-        assert len(run.started_at) == 12 and [version for *_, version in run.started_at[6:]] == [1] * 6
-    finally:
-        await run.stop()
-
-
-async def test_the_async_window_admits_the_live_batch_and_max_staleness_more(
-    make_spec: Callable[..., RolloutSpec],
-    make_sample: Any,
-    redis_client: aioredis.Redis,
-    buffer: BufferClient,
-    job_id: str,
-) -> None:
-    await buffer.configure_job(job_id)
-    versions = Versions()
-    spec = make_spec(num_prompts=12, n_samples_per_prompt=2, concurrency={"max_live_episodes": 8})
-    run = Scheduled(redis_client, buffer, job_id, versions)
-    episodes = run.episodes(make_sample, equal_rewards=set())
-    try:
-        for worker_id in ("w1", "w2"):
-            window = barrier(redis_client, job_id, versions, batch_size_groups=2, versions_ahead=1)
+            window = barrier(
+                redis_client, job_id, versions, batch_size_groups=batch_size_groups, versions_ahead=versions_ahead
+            )
             run.start(spec, worker_id, episodes, window)
-        await run.pushed(4)  # batches of versions 0 and 1 while 0 is live: 2 x 2 groups, then nothing
-        assert {version for *_, version in run.started_at} == {0}
-        versions.live = 1  # the trainer trained batch 0: batch 2 opens, batch 1 is already generated
-        await run.pushed(6)
-        assert [version for *_, version in run.started_at[8:]] == [1] * 4
+        await run.pushed(first)
+        assert len(run.started_at) == 2 * first and {version for *_, version in run.started_at} == {0}
+        versions.live = 1
+        await run.pushed(first + batch_size_groups)
+        assert [version for *_, version in run.started_at[2 * first :]] == [1] * (2 * batch_size_groups)
     finally:
         await run.stop()
 
