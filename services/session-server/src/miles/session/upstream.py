@@ -285,16 +285,21 @@ class UpstreamStream:
 
     async def _lines(self) -> AsyncIterator[str]:
         """The body's lines without their line ends. Lines may be long (a chunk carries every logprob so far), so
-        they are split here rather than by aiohttp's readline, which refuses lines over its buffer size."""
-        pending = b""
+        they are split here rather than by aiohttp's readline, which refuses lines over its buffer size; a line's
+        pieces are joined once, when its end arrives."""
+        pieces: list[bytes] = []
         async for chunk in self._response.content.iter_any():
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line.rstrip(b"\r").decode()
+            start = 0
+            while (end := chunk.find(b"\n", start)) != -1:
+                pieces.append(chunk[start:end])
+                yield b"".join(pieces).rstrip(b"\r").decode()
+                pieces.clear()
+                start = end + 1
+            if start < len(chunk):
+                pieces.append(chunk[start:])
         self._read_to_end = True
-        if pending:
-            yield pending.rstrip(b"\r").decode()
+        if pieces:
+            yield b"".join(pieces).rstrip(b"\r").decode()
 
     async def token_ids(self) -> AsyncIterator[list[int]]:
         """The new sampled ids of each stream chunk (never empty), until the chunk with a finish_reason."""
