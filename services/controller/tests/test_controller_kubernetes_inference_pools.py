@@ -24,8 +24,10 @@ from miles.common.errors import InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.common.serve import serve_async
 from miles.common.testing.ports import free_port
+from miles.controller.api_models import JobView, PoolView
 from miles.controller.backends.kubernetes_inference_pools import COMPONENT, POOL_LABEL
 from miles.controller.backends.kubernetes_job_spec import chart_problem
+from miles.controller.jobs import JobRecord, JobState
 
 pytestmark = pytest.mark.integration  # runs helm
 
@@ -123,6 +125,10 @@ async def test_the_job_is_running_only_once_its_pools_engines_are_ready_and_stop
         deployment["status"]["readyReplicas"] = 1
         ready = await backend.observe("jpool0000002", spec)
         assert ready.phase == "running" and ready.pools["inference_engines"] == 1
+        record = JobRecord("jpool0000002", spec, JobState.RUNNING, 0.0, 0.0, pools=ready.pools)
+        assert JobView.of(record).pools["inference_engines"] == PoolView(desired=1, live=1)  # GET /v1/jobs/{id}
+        plain = JobRecord("jplain000002", _spec(controller_kit, []), JobState.RUNNING, 0.0, 0.0)
+        assert "inference_engines" not in JobView.of(plain).pools
         await backend.resize("jpool0000002", spec, engines=4, rollout_workers=None)  # the pool is not resized
         assert _of_pool(api, "jpool0000002", "judge")["Deployment"]["spec"]["replicas"] == 1
         await backend.stop("jpool0000002")

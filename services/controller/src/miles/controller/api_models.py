@@ -58,7 +58,10 @@ class JobView(BaseModel):
         default=None, description="Episodes whose token buffer differed critically from a fresh render (TITO)"
     )
     errors: list[str] = Field(description="Latest problems, newest last")
-    pools: dict[str, PoolView] = Field(description="engines, rollout_workers, trainer")
+    pools: dict[str, PoolView] = Field(
+        description="engines, rollout_workers, trainer, and inference_engines (all engines of the job's judge / "
+        "teacher pools) when the spec has inference_pools"
+    )
     metrics: dict[str, float] = Field(description="Every per-job metric the controller read (trainer, router)")
     health: HealthView = Field(description="Reward trend and collapse indicators")
     spec: JobSpec
@@ -71,6 +74,8 @@ class JobView(BaseModel):
             "rollout_workers": resources.rollout_workers.replicas,
             "trainer": resources.trainer.replicas,
         }
+        if record.spec.inference_pools:
+            desired["inference_engines"] = sum(pool.replicas for pool in record.spec.inference_pools)
         metrics = record.metrics
         return cls(
             job_id=record.job_id,
