@@ -15,12 +15,8 @@ import pytest
 from miles.common.errors import InvalidArgumentError
 from miles.common.testing.crd_schemas import validate_custom_object
 from miles.common.testing.helm import by_kind
-from miles.controller.job_templates import (
-    ENGINE_LWS_TEMPLATE_KEY,
-    JobTemplateParams,
-    instantiate_job_templates,
-    with_engine_args,
-)
+from miles.controller.engine_args import with_engine_args
+from miles.controller.job_templates import ENGINE_LWS_TEMPLATE_KEY, JobTemplateParams, instantiate_job_templates
 
 pytestmark = pytest.mark.integration  # runs helm
 

@@ -15,6 +15,7 @@ import pytest
 
 from miles.common.errors import InvalidArgumentError
 from miles.common.testing.helm import by_kind, render_chart
+from miles.controller.engine_args import names_flag, with_engine_args
 from miles.controller.job_templates import (
     PLACEHOLDERS,
     SPEC_FILES,
@@ -24,9 +25,7 @@ from miles.controller.job_templates import (
     engine_kind_of,
     instantiate_job_templates,
     job_spec_config_map,
-    names_flag,
     owned_by,
-    with_engine_args,
 )
 
 CHART_DIR = Path(__file__).resolve().parents[3] / "helm" / "miles"

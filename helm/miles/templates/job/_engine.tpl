@@ -2,7 +2,7 @@
 The engine pool of one job: SGLang pods on the rollout pool (or the CPU reference engine on the cpu pool), with
 a weight-sync sidecar in sidecar mode, and the headless Service whose EndpointSlices the router discovers.
 Per-job engine flags are not placeholders: the controller appends them to the args of the container named
-"engine" after extraArgs (job_templates.with_engine_args), e.g. --enable-return-routed-experts for a job that
+"engine" after extraArgs (engine_args.with_engine_args), e.g. --enable-return-routed-experts for a job that
 records MoE routing; a flag extraArgs already name is not added again. Keep the container's name and its args list.
 */}}
 {{- define "miles.job.engineContainer" -}}

@@ -10,7 +10,7 @@ clients: the backend creates what it returns, in this order:
    capabilities (`sandbox-token`), read by its rollout workers.
 2. `instantiate_job_templates(templates, params)`: every other object (engine pool, weight-sync, rollout workers,
    trainer, per-job NetworkPolicies, and for a job with an environment its environment server); for a job whose
-   engines take per-job flags, pass them through `with_engine_args(objects, args)`; then through
+   engines take per-job flags, pass them through `engine_args.with_engine_args(objects, args)`; then through
    `owned_by(objects, spec_config_map_created)` so that deleting the spec ConfigMap deletes the job.
 
 **Placeholders** (`PLACEHOLDERS`), each filled from a `JobTemplateParams` field:
@@ -67,12 +67,8 @@ weight-sync origin, the trainer's publish target) for what the controller writes
 The chart decides the engine implementation for the whole release: `engine_kind_of(templates)` says which (`sglang`
 or `cpu`), so that a job asking for the other one can be refused with a clear message.
 
-**Per-job engine flags** are not placeholders: `with_engine_args(objects, args)` appends them to the `args` of the
-container named `engine` (ENGINE_CONTAINER) in the engine Deployment (component label `engine`), after the chart's
-`jobTemplates.engine.<kind>.extraArgs`; a flag those already name (the flag, `flag=value`, or `--no-flag`) is not
-added again, so the chart wins. Both engine kinds take flags there (SGLang's `sglang.launch_server` and
-miles-engine's entrypoint). The Kubernetes backend adds `--enable-return-routed-experts` this way for a job that
-records MoE routing (`routing_replay.engines_record_routing`).
+**Per-job engine flags** are not placeholders: `miles.controller.engine_args.with_engine_args` appends them to the
+args of the engine container (ENGINE_CONTAINER), after the chart's own, which win.
 
 Limits: plain text substitution, so every placeholder value is validated (job ids are DNS labels, counts are small
 integers, the model path is a single line without quotes) before it reaches the YAML; object names are checked
@@ -81,10 +77,9 @@ against Kubernetes' 63-character limit (52 for StatefulSets, whose pods carry a 
 
 from __future__ import annotations
 
-import copy
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +122,6 @@ ENGINE_LWS_TEMPLATE_KEY = "engine-leaderworkerset.yaml"
 ENGINE_KIND_ANNOTATION = "miles.dev/engine-kind"
 ENGINE_CONTAINER = "engine"
 """Name of the engine container in the engine Deployment's pod template (the chart's `miles.job.engineContainer`)."""
-_COMPONENT_LABEL = "app.kubernetes.io/component"
 
 PLACEHOLDERS = (
     "JOB_ID",
@@ -321,34 +315,6 @@ def instantiate_job_templates(templates: Mapping[str, str], params: JobTemplateP
     return objects
 
 
-def with_engine_args(objects: list[dict[str, Any]], args: list[str]) -> list[dict[str, Any]]:
-    """`objects` with `args` appended to the engine container's args (in every pod template of the engine
-    Deployment or LeaderWorkerSet), each unless those already name it (see the module docstring). Returns new dicts
-    for what changes; the input is not changed. Raises InvalidArgumentError when the objects have no engine workload
-    with an `engine` container (a chart this controller does not know)."""
-    result = list(objects)
-    for position, obj in enumerate(objects):
-        if obj["metadata"].get("labels", {}).get(_COMPONENT_LABEL) != "engine":
-            continue
-        workload = copy.deepcopy(obj)
-        engines = [
-            container
-            for pod_spec in pod_specs_of(workload)
-            for container in pod_spec["containers"]
-            if container.get("name") == ENGINE_CONTAINER
-        ]
-        for container in engines:
-            present = list(container.get("args", []))
-            container["args"] = present + [arg for arg in args if not names_flag(present, arg)]
-        if engines:
-            result[position] = workload
-            return result
-    raise InvalidArgumentError(
-        f"the job templates have no engine Deployment with a container named {ENGINE_CONTAINER!r} to add {args} to: "
-        "the chart and this controller do not match"
-    )
-
-
 def pod_specs_of(workload: dict[str, Any]) -> list[dict[str, Any]]:
     """The pod specs (the dicts themselves, to change in place) of a workload: a Deployment's, StatefulSet's or
     DaemonSet's, a LeaderWorkerSet's leader and worker; [] for any other kind."""
@@ -358,13 +324,6 @@ def pod_specs_of(workload: dict[str, Any]) -> list[dict[str, Any]]:
         group = workload["spec"]["leaderWorkerTemplate"]
         return [group[key]["spec"] for key in ("leaderTemplate", "workerTemplate") if key in group]
     return []
-
-
-def names_flag(args: Sequence[str], flag: str) -> bool:
-    """Whether the command-line `args` already decide `flag` (`--x`, `--x=value` or `--no-x`): they then win over
-    a flag the controller would add."""
-    negated = "--no-" + flag.removeprefix("--")
-    return any(arg in (flag, negated) or arg.startswith(flag + "=") for arg in args)
 
 
 def job_spec_config_map(

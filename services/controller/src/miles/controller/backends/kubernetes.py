@@ -3,18 +3,18 @@
 The chart stores the per-job templates in the ConfigMap `<fullname>-job-templates`; `miles.controller.job_templates`
 fills them for one job. `start` creates the job's spec ConfigMap first, then every other object (engine
 Deployment of SGLang pods with weight-sync, weight-sync origin, rollout-worker Deployment, trainer StatefulSet,
-Services, NetworkPolicies) with an ownerReference to it; objects that already exist are adopted (409 is fine), so
-`start` after a controller restart creates only what is missing. `stop` deletes the spec ConfigMap and Kubernetes'
-garbage collector deletes the rest. `resize` patches the engine / rollout-worker Deployments' replicas (and the
-bounds of their HPAs when the chart autoscales them: `kubernetes_autoscaling`). `observe` reads the Deployments'
-and StatefulSet's ready replicas and trainer rank 0's gRPC `Status` (step, weight version, last-step metrics,
-FINISHED / FAILED).
+Services, NetworkPolicies) with an ownerReference to it; objects that already exist are adopted (409 is fine:
+`kubernetes_objects`), so `start` after a controller restart creates only what is missing. `stop` deletes the spec
+ConfigMap and Kubernetes' garbage collector deletes the rest. `resize` patches the engine / rollout-worker
+Deployments' replicas (and the bounds of their HPAs when the chart autoscales them: `kubernetes_autoscaling`).
+`observe` reads the Deployments' and StatefulSet's ready replicas and trainer rank 0's gRPC `Status` (step, weight
+version, last-step metrics, FINISHED / FAILED), and decides the phase from them (`kubernetes_progress`).
 
 The official client is synchronous; every call runs in a worker thread (`asyncio.to_thread`).
 
 A job that records MoE routing (R3; `routing_replay.engines_record_routing` with the session server's resolved
 `record_routing` from the job's registration) gets `--enable-return-routed-experts` appended to its engine
-container's args (`job_templates.with_engine_args`; the chart's extraArgs naming the flag win).
+container's args (`engine_args.with_engine_args`; the chart's extraArgs naming the flag win).
 
 A job with `rollout.environment` also gets its environment server (Deployment, Service, NetworkPolicy), and its
 rollout workers its URL (`miles.controller.env_server_templates`); `check_spec` refuses a connector the chart has
@@ -67,13 +67,16 @@ from miles.controller.backends.base import JobProgress, SharedServices
 from miles.controller.backends.kubernetes_autoscaling import fitted_autoscalers
 from miles.controller.backends.kubernetes_job_spec import chart_problem, spec_files, template_params
 from miles.controller.backends.kubernetes_limits import kubernetes_problem
+from miles.controller.backends.kubernetes_objects import create_or_read
 from miles.controller.backends.kubernetes_placement import place_on_node_pools
+from miles.controller.backends.kubernetes_progress import job_progress, ready_pools
 from miles.controller.backends.kubernetes_shared_pool import (
     check_pool_declared,
     check_pool_in_chart,
     place_on_shared_pool,
     ready_engines,
 )
+from miles.controller.engine_args import with_engine_args
 from miles.controller.env_server_templates import env_server_image_of
 from miles.controller.job_templates import (
     JobAddresses,
@@ -81,7 +84,6 @@ from miles.controller.job_templates import (
     job_spec_config_map,
     job_tokens_secret,
     owned_by,
-    with_engine_args,
 )
 from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, engines_record_routing, read_model_routing
 from miles.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -93,22 +95,8 @@ log = logging.getLogger(__name__)
 
 COMPONENT_LABEL = "app.kubernetes.io/component"
 JOB_LABEL = "miles.dev/job"
-POOL_COMPONENTS = {"engines": "engine", "rollout_workers": "rollout-worker", "trainer": "trainer"}
-"""Pool name (JobProgress.pools) -> the component label of its workload."""
 
 _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-_CREATE_METHODS: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("CoreV1Api", "create_namespaced_config_map"),
-    "Secret": ("CoreV1Api", "create_namespaced_secret"),
-    "Service": ("CoreV1Api", "create_namespaced_service"),
-    "ServiceAccount": ("CoreV1Api", "create_namespaced_service_account"),
-    "Deployment": ("AppsV1Api", "create_namespaced_deployment"),
-    "StatefulSet": ("AppsV1Api", "create_namespaced_stateful_set"),
-    "DaemonSet": ("AppsV1Api", "create_namespaced_daemon_set"),
-    "HorizontalPodAutoscaler": ("AutoscalingV2Api", "create_namespaced_horizontal_pod_autoscaler"),
-    "NetworkPolicy": ("NetworkingV1Api", "create_namespaced_network_policy"),
-    "PodDisruptionBudget": ("PolicyV1Api", "create_namespaced_pod_disruption_budget"),
-}
 
 
 def _component(obj: Mapping[str, Any]) -> str:
@@ -277,24 +265,7 @@ class KubernetesJobBackend:
 
     async def _create_or_read(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Create `obj`; when it already exists (an adopted job), read it back. Returns the object as stored."""
-        kind = obj["kind"]
-        if kind == kubernetes_lws.LWS_KIND:  # a custom resource: CustomObjectsApi
-            custom: dict[str, Any] = await self._call(kubernetes_lws.create_or_read, self.api, self.namespace, obj)
-            return custom
-        if kind not in _CREATE_METHODS:
-            raise FailedPreconditionError(f"the job templates contain a {kind}, which this controller cannot create")
-        api_name, method_name = _CREATE_METHODS[kind]
-        api = getattr(k8s, api_name)(self.api)
-        try:
-            created = await self._call(getattr(api, method_name), self.namespace, obj)
-        except ApiException as exc:
-            if exc.status != 409:
-                message = f"creating {kind} {obj['metadata']['name']} failed: {exc.status} {exc.reason}: {exc.body}"
-                retryable = exc.status is None or exc.status >= 500 or exc.status == 429
-                raise (UnavailableError if retryable else FailedPreconditionError)(message) from None
-            read = getattr(api, method_name.replace("create_", "read_"))
-            created = await self._call(read, obj["metadata"]["name"], self.namespace)
-        stored: dict[str, Any] = self.api.sanitize_for_serialization(created)  # type: ignore[no-untyped-call]
+        stored: dict[str, Any] = await self._call(create_or_read, self.api, self.namespace, obj)
         return stored
 
     async def observe(self, job_id: str, spec: JobSpec) -> JobProgress:
@@ -311,7 +282,7 @@ class KubernetesJobBackend:
             held = await self.kueue.reconcile(job_id, name, lambda: self._checkpoint(templates, job_id))
             if held is not None:
                 return held
-        pools, problem = await self._pools(job_id)
+        pools, problem = await ready_pools(self._call, self.apps, self.namespace, job_id)
         if spec.inference_pools:  # the judge / teacher pools' ready engines
             ready = kubernetes_inference_pools.ready_inference_engines
             pools["inference_engines"] = await self._call(ready, self.apps, self.namespace, job_id)
@@ -321,57 +292,7 @@ class KubernetesJobBackend:
         elif kubernetes_lws.is_multi_node(spec):  # ready groups of the engine LeaderWorkerSet
             pools["engines"] = await self._call(kubernetes_lws.ready_engine_groups, self.api, self.namespace, job_id)
         status = await self._trainer_status(templates, job_id)
-        metrics: dict[str, float] = {}
-        step = weight_version = 0
-        finished_ms = int(status.last_step_finished_unix_ms) if status is not None else 0
-        if status is not None:
-            step, weight_version = int(status.step), int(status.weight_version)
-            metrics = {key: float(value) for key, value in status.last_step_metrics.items()}
-            if status.state == trainer_pb2.TRAINER_STATE_FINISHED:
-                return JobProgress(
-                    "succeeded", step, weight_version, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms
-                )
-            if status.state == trainer_pb2.TRAINER_STATE_FAILED:
-                error = f"trainer failed: {status.error}"
-                return JobProgress(
-                    "failed",
-                    step,
-                    weight_version,
-                    error,
-                    pools=pools,
-                    metrics=metrics,
-                    step_finished_unix_ms=finished_ms,
-                )
-        if problem:
-            return JobProgress(
-                "failed", step, weight_version, problem, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms
-            )
-        desired = {
-            "engines": 0 if shared_pool is not None else spec.resources.engines.replicas,
-            "rollout_workers": spec.resources.rollout_workers.replicas,
-            "trainer": spec.resources.trainer.replicas,
-        }
-        trainer_up = status is not None and status.state != trainer_pb2.TRAINER_STATE_STARTING
-        all_ready = all(pools.get(pool, 0) >= size for pool, size in desired.items())
-        inference_up = pools.get("inference_engines", 0) >= kubernetes_inference_pools.num_inference_engines(spec)
-        phase = "running" if (trainer_up or all_ready) and inference_up else "starting"
-        return JobProgress(phase, step, weight_version, pools=pools, metrics=metrics, step_finished_unix_ms=finished_ms)  # type: ignore[arg-type]
-
-    async def _pools(self, job_id: str) -> tuple[dict[str, int], str]:
-        """Ready replicas per pool, and a reason when a workload gave up (progress deadline exceeded)."""
-        selector = f"{JOB_LABEL}={job_id}"
-        deployments = await self._call(self.apps.list_namespaced_deployment, self.namespace, label_selector=selector)
-        statefulsets = await self._call(self.apps.list_namespaced_stateful_set, self.namespace, label_selector=selector)
-        ready: dict[str, int] = {}
-        problem = ""
-        for workload in [*deployments.items, *statefulsets.items]:
-            labels = workload.metadata.labels or {}
-            component = labels.get(COMPONENT_LABEL, "")
-            ready[component] = int((workload.status and workload.status.ready_replicas) or 0)
-            for condition in (workload.status and workload.status.conditions) or []:
-                if condition.reason == "ProgressDeadlineExceeded":
-                    problem = f"{workload.metadata.name}: {condition.message or condition.reason}"
-        return {pool: ready.get(component, 0) for pool, component in POOL_COMPONENTS.items()}, problem
+        return job_progress(spec, pools, problem, status)
 
     async def _trainer_status(self, templates: Mapping[str, str], job_id: str) -> trainer_pb2.StatusResponse | None:
         """Trainer rank 0's Status; None while it cannot be reached (pod not ready yet)."""

@@ -42,11 +42,11 @@ from miles.common.errors import InvalidArgumentError
 from miles.common.jobspec.job import JobSpec
 from miles.common.jobspec.pools import InferencePoolSpec, inference_pool_router_name
 from miles.controller.backends.kubernetes_placement import NodePlacement, chart_node_pools
+from miles.controller.engine_args import names_flag
 from miles.controller.job_templates import (
     ENGINE_CONTAINER,
     INFERENCE_POOL_TEMPLATE_PREFIX,
     engine_kind_of,
-    names_flag,
     pod_specs_of,
 )
 

@@ -34,7 +34,7 @@ from miles.common.ports import free_port
 from miles.common.spawn import SettingValue, console_script, settings_env
 from miles.controller.backends.base import PlatformTokens, SharedServices, barrier_settings
 from miles.controller.backends.local_processes import ProcessRecord
-from miles.controller.job_templates import names_flag
+from miles.controller.engine_args import names_flag
 from miles.controller.routing_replay import ENGINE_ROUTING_FLAG, engines_record_routing, read_model_routing
 
 
