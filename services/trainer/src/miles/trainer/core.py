@@ -11,7 +11,9 @@
 
 Heavy work (forward/backward, gathering state) runs on one dedicated thread so the event loop keeps serving
 the control API and extending leases; that thread is also the only one issuing torch.distributed collectives.
-Exactly-once bookkeeping lives in `consumption.py`, checkpoint files in `checkpoint.py`.
+Exactly-once bookkeeping lives in `consumption.py`, checkpoint files in `checkpoint.py` (which rank writes and
+restores what: `checkpoint_ranks.py`; the control API's requests: `checkpoint_requests.py`), the metrics and events
+of publishing a version in `publish_versions.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from miles.common.errors import MilesError
@@ -30,33 +31,22 @@ from miles.proto.trainer.v1 import trainer_pb2
 from miles.trainer.admission import Admission, CollectionCounts, PulledGroup
 from miles.trainer.assemble import assemble
 from miles.trainer.backends.base import ModelShape
-from miles.trainer.checkpoint import (
-    CheckpointStore,
-    TrainerState,
-    check_checkpoint_format,
-    restore_rng,
-    write_checkpoint,
-)
+from miles.trainer.checkpoint import CheckpointStore, TrainerState
+from miles.trainer.checkpoint_ranks import check_checkpoint_format, restore_checkpoint, write_checkpoint
+from miles.trainer.checkpoint_requests import CheckpointOutcome, CheckpointRequests
 from miles.trainer.consumption import Consumer
 from miles.trainer.distributed import RankRunner
 from miles.trainer.errors import OnPolicyViolationError, TrainerNotRunningError
 from miles.trainer.events import Event, EventLog
 from miles.trainer.metrics import TrainerMetrics
 from miles.trainer.publish import WeightPublisher
-from miles.trainer.publish_ledger import VersionRecord
+from miles.trainer.publish_versions import VersionPublishing
 from miles.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
 State = trainer_pb2.TrainerState
 ResultT = TypeVar("ResultT")
 _DONE_STATES = (trainer_pb2.TRAINER_STATE_STOPPED, trainer_pb2.TRAINER_STATE_FINISHED, trainer_pb2.TRAINER_STATE_FAILED)
-
-
-@dataclass(frozen=True)
-class CheckpointOutcome:
-    step: int
-    path: str
-    num_groups_acked: int
 
 
 class Trainer:
@@ -92,8 +82,9 @@ class Trainer:
         self.done = asyncio.Event()
         self._stop_requested = False
         self._stop_checkpoint = False
-        self._checkpoint_waiters: list[asyncio.Future[CheckpointOutcome]] = []
+        self._checkpoint_requests = CheckpointRequests()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+        self.publishing = VersionPublishing(publisher, runner, self._compute, metrics, events)
         self._wait_data_s = 0.0
         self._step_finished_unix_ms = 0
 
@@ -132,12 +123,7 @@ class Trainer:
         latest = self.store.latest_step()
         state: TrainerState | None = None
         if latest is not None:
-            loaded = await asyncio.to_thread(self.store.load, latest)
-            if loaded.sharded_dir is not None:  # every rank reads its own shards (any world size)
-                await self._compute(self.runner.load_sharded, str(loaded.sharded_dir))
-            else:
-                await self._compute(self.runner.load_state, loaded.tensors, loaded.optimizer)
-            restore_rng(loaded.rng)
+            loaded = await restore_checkpoint(self.store, self.runner, self._compute, latest)
             state = loaded.state
             self.step, self.weight_version = state.step, state.weight_version
             self.checkpoint_step, self.checkpoint_path = state.step, str(loaded.path)
@@ -244,50 +230,13 @@ class Trainer:
         """Publish the weights the trainer starts from (version 0 of a new job is its initial weights); after a
         crash, a version above the checkpoint published by the dead process makes this a rewind to a new number
         (miles.trainer.publish), and groups of the superseded versions are refused from then on."""
-        tensors = await self._compute(self._publish_source())
-        record = await self.publisher.resume(self.weight_version, tensors, step=self.step)
+        self.weight_version = await self.publishing.resume(self.weight_version, step=self.step)
         self.admission.superseded = self.publisher.superseded
-        if record.version != self.weight_version:
-            self.events.publish(
-                Event(
-                    "rewind",
-                    self.step,
-                    message=f"restored version {self.weight_version} published as {record.version}; versions "
-                    f"{self.weight_version + 1}..{record.version - 1} of a dead trainer are superseded",
-                )
-            )
-            self.weight_version = record.version
-        self._published(record)
 
     async def publish(self) -> None:
-        started = time.perf_counter()
-        tensors = await self._compute(self._publish_source())
-        record = await self.publisher.publish(
-            self.weight_version, tensors, step=self.step, step_finished_unix_ms=self._step_finished_unix_ms
+        self.last_metrics["publish_s"] = await self.publishing.publish(
+            self.weight_version, step=self.step, step_finished_unix_ms=self._step_finished_unix_ms
         )
-        publish_s = time.perf_counter() - started
-        self.metrics.phase_seconds.labels("publish").observe(publish_s)
-        self.last_metrics["publish_s"] = publish_s
-        self._published(record)
-
-    def _publish_source(self) -> Callable[[], dict[str, Any]]:
-        """The adapter's tensors for a publisher of adapter versions, else the HF weights the engines serve."""
-        return self.runner.adapter_tensors if self.publisher.ships_adapters else self.runner.hf_tensors
-
-    def _published(self, record: VersionRecord) -> None:
-        self.metrics.published_version.set(record.version)
-        failures = self.publisher.take_failures()
-        if failures:
-            self.metrics.publish_failures.inc(failures)
-        if record.weights_digest:
-            self.events.publish(
-                Event(
-                    "published",
-                    self.step,
-                    metrics={"weight_version": record.version, "num_bytes": record.num_bytes},
-                    message=record.weights_digest,
-                )
-            )
 
     async def checkpoint(self) -> CheckpointOutcome:
         """A durable checkpoint of the current step (unless one exists), then ack what it covers."""
@@ -358,9 +307,7 @@ class Trainer:
             raise TrainerNotRunningError(f"the trainer failed: {self.error}")
         if self.done.is_set():
             return CheckpointOutcome(self.checkpoint_step, self.checkpoint_path, 0)
-        waiter: asyncio.Future[CheckpointOutcome] = asyncio.get_running_loop().create_future()
-        self._checkpoint_waiters.append(waiter)
-        return await waiter
+        return await self._checkpoint_requests.wait()
 
     async def request_stop(self, *, checkpoint: bool) -> int:
         self._stop_checkpoint = self._stop_checkpoint or checkpoint
@@ -379,13 +326,7 @@ class Trainer:
         return self.train.num_steps > 0 and self.step >= self.train.num_steps
 
     async def _serve_checkpoint_requests(self) -> None:
-        if not self._checkpoint_waiters:
-            return
-        waiters, self._checkpoint_waiters = self._checkpoint_waiters, []
-        outcome = await self.checkpoint()
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(outcome)
+        await self._checkpoint_requests.serve(self.checkpoint)
 
     def _advance_cursor(self, groups: list[PulledGroup]) -> None:
         for group in groups:
@@ -432,10 +373,7 @@ class Trainer:
         log.error("trainer failed", exc_info=exc)
         self.events.publish(Event("error", self.step, message=self.error))
         self._set_state(trainer_pb2.TRAINER_STATE_FAILED)
-        for waiter in self._checkpoint_waiters:
-            if not waiter.done():
-                waiter.set_exception(TrainerNotRunningError(self.error))
-        self._checkpoint_waiters = []
+        self._checkpoint_requests.fail(self.error)
 
     @property
     def groups_rejected(self) -> int:

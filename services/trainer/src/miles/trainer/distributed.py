@@ -32,7 +32,7 @@ import torch.distributed as dist
 from miles.common.faults import crash_point
 from miles.common.jobspec.trainer import TrainConfig
 from miles.trainer.backends.base import TrainBackend
-from miles.trainer.checkpoint import load_shards, save_shards
+from miles.trainer.checkpoint_ranks import load_shards, save_shards
 from miles.trainer.rank_health import RankWatchdog, connect_store, guard_rendezvous, new_incarnation
 from miles.trainer.stats import StepStats, merge_all
 from miles.trainer.step import StepPlan, StepResult, run_step
@@ -184,11 +184,11 @@ class RankRunner:
             self.backend.load_optimizer_state(optimizer)
 
     def save_sharded(self, directory: str) -> None:
-        """Every rank writes its shards into `directory` (checkpoint.save_shards)."""
+        """Every rank writes its shards into `directory` (checkpoint_ranks.save_shards)."""
         save_shards(self.backend, Path(directory))
 
     def load_sharded(self, directory: str) -> None:
-        """Every rank loads its shards from `directory`, whatever world size wrote it (checkpoint.load_shards)."""
+        """Every rank loads its shards from `directory`, whatever world size wrote it (checkpoint_ranks.load_shards)."""
         load_shards(self.backend, Path(directory))
 
 
