@@ -33,7 +33,7 @@ class Versions:
     """The engines' live version, as the router would answer it; episodes record the version they ran at."""
 
     def __init__(self) -> None:
-        self.live = 0
+        self.live: int | None = 0
 
     async def __call__(self) -> int | None:
         return self.live
@@ -279,3 +279,25 @@ async def test_a_waiting_admit_ends_when_cancelled_even_if_redis_swallows_the_ca
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=30)
     assert done and task.cancelled()
+
+
+async def test_a_prompt_stuck_at_admission_says_why_in_the_log(
+    redis_client: aioredis.Redis, job_id: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job stopped at admission must be diagnosable from its worker's log: a prompt waiting for a live version
+    the router does not know, then for a place in a full window, logs a WARNING with what it waits for."""
+    monkeypatch.setattr("miles.rollout.barrier.STUCK_LOG_S", 0.05)
+    versions = Versions()
+    full = barrier(redis_client, job_id, versions, batch_size_groups=1, versions_ahead=1, poll_interval_s=0.01)
+    assert [await full.admit(seq) for seq in range(2)] == [0, 1]
+    versions.live = None  # no available engine: the router answers null
+    waiting = asyncio.create_task(full.admit(2))
+    await asyncio.sleep(0.3)
+    assert any("knows no live weight version" in r.getMessage() for r in caplog.records)
+    versions.live = 0
+    await asyncio.sleep(0.3)
+    stuck = [r for r in caplog.records if "waits for a place" in r.getMessage()]
+    assert stuck and stuck[-1].admitted_per_version == [1, 1] and stuck[-1].live_version == 0
+    assert not waiting.done()
+    versions.live = 1
+    assert await asyncio.wait_for(waiting, 5) == 2

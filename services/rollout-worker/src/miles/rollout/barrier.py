@@ -66,6 +66,9 @@ DiscardedFn = Callable[[], Awaitable[int | None]]
 """How many of the job's groups the trainer discarded after pulling them (the buffer's count); None: unknown now."""
 REFILL_CHECK_S = 1.0
 """How often a waiting prompt asks the buffer for new discards."""
+STUCK_LOG_S = 60.0
+"""A prompt waiting this long (for a known live version, or for a place) says so in a WARNING, then again after
+as long: a job stopped at admission must be diagnosable from its worker's log."""
 
 _REFILL = """
 local seen = tonumber(redis.call('GET', KEYS[1]) or ARGV[1])
@@ -185,6 +188,7 @@ class SyncBarrier:
         given back, or a later version's); returns that version."""
         waited_since: float | None = None
         refill_at = time.monotonic() + self.refill_check_s
+        warn_at = time.monotonic() + STUCK_LOG_S
         while True:
             raise_if_cancel_requested()  # a cancellation a Redis call swallowed must still end the wait
             live = await self._wait_for_version()
@@ -197,6 +201,9 @@ class SyncBarrier:
                 version = live + index
                 break
             waited_since = waited_since or time.monotonic()
+            if time.monotonic() >= warn_at:
+                warn_at = time.monotonic() + STUCK_LOG_S
+                await self._log_full_window(seq, live, waited_since)
             if time.monotonic() >= refill_at:
                 refill_at = time.monotonic() + self.refill_check_s
                 await self._refill_discarded(live, keys[1])
@@ -228,7 +235,18 @@ class SyncBarrier:
         """`seq`'s group was pushed: it keeps its place; nothing more to remember here."""
         self._admitted.pop(seq, None)
 
+    async def _log_full_window(self, seq: int, live: int, waited_since: float) -> None:
+        sizes = []
+        for version in range(live, live + self.versions_ahead + 1):
+            sizes.append(await _retrying(functools.partial(self._client.scard, f"{self._base}:{version}")))
+        log.warning(
+            "a prompt still waits for a place in the admission window",
+            extra={"seq": seq, "live_version": live, "admitted_per_version": sizes, "waited_s": _since(waited_since)},
+        )
+
     async def _wait_for_version(self) -> int:
+        started = time.monotonic()
+        warn_at = started + STUCK_LOG_S
         while True:
             raise_if_cancel_requested()
             try:
@@ -238,7 +256,18 @@ class SyncBarrier:
                 version = None
             if version is not None:
                 return version
+            if time.monotonic() >= warn_at:
+                warn_at = time.monotonic() + STUCK_LOG_S
+                log.warning(
+                    "the router knows no live weight version of the pool (no available engine, or one whose "
+                    "version it has not read yet): admission waits",
+                    extra={"waited_s": _since(started)},
+                )
             await asyncio.sleep(self.poll_interval_s)
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 1)
 
 
 async def _retrying(call: Callable[[], Awaitable[Any]]) -> Any:
