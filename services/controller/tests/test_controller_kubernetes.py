@@ -429,4 +429,7 @@ async def test_workers_of_a_sync_job_load_the_barrier_and_the_routers_url(
         assert synced.router_url.startswith("http://") and synced.sync_pool == ""
         unsynced = worker_settings(api.of_job("jk8ssync0002"), "async")
         spec = _spec(controller_kit)
-        assert (unsynced.sync_batch_groups, unsynced.admission_versions_ahead, spec.train.mode) == (0, 0, "async")
+        assert (unsynced.sync_batch_groups, unsynced.admission_versions_ahead) == (
+            spec.train.batch_size_groups,
+            spec.train.max_staleness,
+        )

@@ -193,8 +193,8 @@ def sync_batch_groups(spec: JobSpec) -> int:
     """Groups the rollout workers admit per version of the job's own engines (miles.rollout.barrier): the barrier
     of train.mode sync, the staleness window of async. A job on a shared LoRA pool has no engine version of its
     own to wait on: no admission (the trainer still bounds staleness)."""
-    if spec.train.mode != "sync" or spec.resources.engines.shared_pool is not None:
-        return 0  # async's window: not on by default yet (an environment e2e job stalled at step 0 with it)
+    if spec.resources.engines.shared_pool is not None:
+        return 0
     return spec.train.batch_size_groups
 
 
