@@ -19,6 +19,7 @@ from miles.common.jobspec.rollout import RolloutSpec
 from miles.common.telemetry import Metrics
 from miles.proto.common.v1 import common_pb2
 from miles.rollout.barrier import SyncBarrier
+from miles.rollout.core import groups_discarded
 from miles.rollout.cursor import DatasetCursor
 from miles.rollout.dataset import load_dataset
 from miles.rollout.episode import EpisodeOutcome, EpisodeTask
@@ -301,3 +302,55 @@ async def test_a_prompt_stuck_at_admission_says_why_in_the_log(
     assert not waiting.done()
     versions.live = 1
     assert await asyncio.wait_for(waiting, 5) == 2
+
+
+@pytest.mark.parametrize("policy", ["drop", "requeue"])
+async def test_groups_the_buffer_finds_stale_reopen_places_of_an_async_window_only(
+    redis_client: aioredis.Redis,
+    buffer: BufferClient,
+    make_sample: Callable[..., common_pb2.Sample],
+    job_id: str,
+    policy: str,
+) -> None:
+    """A long-tail group of an async job that ends up over the staleness bound never reaches the trainer: its
+    place in the window must open again, or each one shrinks the window for good (bench-async: ~4 episodes in
+    flight of the window's 24 before). A sync barrier's stale group is a surplus one: nothing to replace."""
+    await buffer.configure_job(job_id, capacity_groups=16, stale_policy=policy)  # type: ignore[arg-type]
+    for index in range(2):
+        sample = make_sample(versions=(0,))
+        sample.group_id = f"straggler-{index}"
+        group = common_pb2.Group(group_id=sample.group_id, job_id=job_id, samples=[sample], prompt_index=index)
+        await buffer.push_group(job_id, group)
+    pulled = await buffer.pull_batch(job_id, num_groups=2, trainer_version=5, max_staleness=2, lease_s=60)
+    assert pulled.groups == [] and pulled.num_dropped_stale + pulled.num_requeued == 2
+    assert await groups_discarded(buffer, job_id) == 0  # the sync barrier's count: trainer discards only
+    assert await groups_discarded(buffer, job_id, include_stale=True) == 2
+
+    versions, counts = Versions(), {"now": 0}
+
+    async def discarded() -> int | None:
+        return await groups_discarded(buffer, job_id, include_stale=True) if counts["now"] else 0
+
+    window = barrier(
+        redis_client,
+        job_id,
+        versions,
+        batch_size_groups=1,
+        versions_ahead=1,
+        poll_interval_s=0.01,
+        discarded=discarded,
+        refill_check_s=0.05,
+    )
+    await window.start()  # the count it starts from: 0
+    assert [await window.admit(seq) for seq in range(2)] == [0, 1]
+    waiting = [asyncio.create_task(window.admit(seq)) for seq in (2, 3, 4)]
+    await asyncio.sleep(0.3)
+    assert not any(task.done() for task in waiting)
+    counts["now"] = 1  # the two stragglers are found stale: two places open at the live version, not three
+    done, pending = await asyncio.wait(waiting, timeout=5)
+    assert len(done) == 2 and sorted(task.result() for task in done) == [0, 0]
+    await asyncio.sleep(0.3)
+    assert len(pending) == 1 and not next(iter(pending)).done()
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

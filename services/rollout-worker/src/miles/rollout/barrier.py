@@ -14,8 +14,8 @@ A batch can still leave the trainer short: a group it discards after pulling it 
 sampling, zero-signal groups the workers did not filter) never counts. The buffer counts those discards; for each
 new one a waiting worker sees, one more place opens at the live version (one Lua script, so that of several
 workers only one opens it; counted in `miles_rollout_sync_barrier_refills_total`), so a job never stops at a
-version for good. Groups the buffer drops as stale are not compensated: in a barrier job only a surplus group can
-be stale, and replacing it would make a surplus at every version.
+version for good. In a barrier job groups the buffer drops as stale are not compensated: only a surplus group can
+be stale there, and replacing it would make a surplus at every version.
 
 Admission is shared by all of the job's workers through one Redis set per version (`sync:<v>`, one Lua
 script): a seq already in the set is admitted again (a dead worker's leased prompt, reclaimed by another, keeps
@@ -33,7 +33,10 @@ while v is live is trained at most S versions after the weights it starts with: 
 admitted instead of by dropping what was generated. At most (S+1) batches are ahead of the trainer; when the
 window is full, new groups wait for the next version, and the engines stay busy with the groups already admitted.
 Only a straggler (a long-tail episode still running when the trainer has moved S versions past its batch) can
-still end up stale, and the buffer drops it as before. Places given back and discards work as for sync.
+still end up stale, and the buffer drops (or requeues) it as before; each such group opens a place, like a discard
+(the worker counts the buffer's stale drops and requeues with its discards): a place left taken by a group that
+will never be trained shrinks the window for good, and in `make bench-async` the window had shrunk to ~4 episodes
+in flight of its 24. Places given back and discards work as for sync.
 
 Limits: a job on a shared LoRA pool has no engine version of its own (adapter versions): its workers run
 without admission, `sync` then means the trainer takes only staleness-0 groups, and async the trainer's bound.

@@ -40,10 +40,14 @@ STOP_TIMEOUT_S = 30.0
 """How long a stop waits for the scheduler's own cleanup before cancelling it again."""
 
 
-async def groups_discarded(buffer: BufferClient, job_id: str) -> int | None:
-    """How many of the job's groups the trainer discarded after pulling them; None when the buffer cannot say."""
+async def groups_discarded(buffer: BufferClient, job_id: str, *, include_stale: bool = False) -> int | None:
+    """How many of the job's groups the trainer discarded after pulling them, and with `include_stale` also those
+    the buffer dropped or requeued as over the staleness bound (each one's place in the async window is lost
+    otherwise); None when the buffer cannot say."""
     try:
-        return int((await buffer.stats(job_id)).discarded_total)
+        stats = await buffer.stats(job_id)
+        stale = int(stats.dropped_stale_total + stats.requeued_total) if include_stale else 0
+        return int(stats.discarded_total) + stale
     except Exception:  # the buffer restarting: the barrier asks again later
         log.warning("could not read the job's buffer counters", exc_info=True)
         return None
@@ -164,7 +168,9 @@ class RolloutWorker:
                 pool=settings.sync_pool or job_id,
                 metrics=metrics,
                 drop_equal_rewards=settings.sync_drop_equal_rewards,
-                discarded=functools.partial(groups_discarded, buffer, job_id),
+                discarded=functools.partial(
+                    groups_discarded, buffer, job_id, include_stale=settings.admission_versions_ahead > 0
+                ),
                 versions_ahead=settings.admission_versions_ahead,
             )
         scheduler = RolloutScheduler(
