@@ -18,8 +18,10 @@ trainer takes groups up to 2 versions old (a straggler older than that is droppe
 Per mode: one job of NUM_STEPS steps; samples/s = trained samples between step TIMED_FROM_STEP and the last step
 over the time between them (start-up and its backlog excluded); engine idle fraction = share of 0.25 s polls of
 the engine's `num_running_reqs` gauge that read 0 over the same window; the buffer's count of groups dropped as
-stale and the staleness distribution of the groups trained. Prints `async_vs_sync=<ratio>` and writes
-bench/results/async.json.
+stale and the staleness distribution of the groups trained; the worker's mean episodes in flight; the trainer's
+mean wait for data, forward-backward, optimizer and publish seconds per step (its step metrics); and the mean time
+from a step's progress event to the router answering its version as live. Prints `async_vs_sync=<ratio>` and
+writes bench/results/async.json.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ async job eat a backlog generated during start-up (a sync job drops it as stale)
 GROUPS_PER_STEP = 2
 SAMPLES_PER_PROMPT = 4
 FORWARD_COST_S = 0.025
-"""Per engine step (prefill or decode), whatever the batch: sized so that an async step's generation takes about
-as long as a CPU training step, so neither side hides the other."""
+"""Per engine step (prefill or decode), whatever the batch. A training step of the demo model takes ~0.15 s here
+(forward-backward) plus ~0.08 s to publish, so both modes are bound by generation: sync by the longest episode of
+its batch, async by how many episodes its staleness window keeps in flight."""
 PREFILL_COST_S = 0.0002
 MAX_TOKENS_PER_TURN = 32
 EOS_PROBABILITY = 0.03
@@ -130,14 +133,19 @@ class IdlePoller:
     """Polls the job's engine `num_running_reqs` every 0.25 s (engine URL from the local backend's state file), and
     the buffer's per-job staleness counters (the last values seen: the buffer forgets a job when it ends)."""
 
-    def __init__(self, job_dir: Path, buffer_metrics_url: str, job_id: str) -> None:
+    def __init__(self, job_dir: Path, buffer_metrics_url: str, job_id: str, router_url: str) -> None:
         self.job_dir = job_dir
         self.buffer_metrics_url = buffer_metrics_url
         self.job_id = job_id
+        self.router_url = router_url
+        self.live_since: dict[int, float] = {}
+        """weight version -> when the router first answered it as the pool's live (lowest available) version."""
         self.buffer: dict[str, float] = {}
         """Last seen buffer series of the job: dropped stale groups, pulled groups per staleness bucket."""
         self.samples: list[tuple[float, float]] = []
         """(monotonic time, the engine's num_running_reqs)."""
+        self.live_episodes: list[tuple[float, float]] = []
+        """(monotonic time, the worker's episodes in flight)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -149,7 +157,7 @@ class IdlePoller:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _engine_url(self) -> str | None:
+    def _process_url(self, role: str) -> str | None:
         state_file = self.job_dir / "state.json"
         if not state_file.is_file():
             return None
@@ -157,13 +165,13 @@ class IdlePoller:
             processes = json.loads(state_file.read_text())["processes"]
         except (ValueError, KeyError):
             return None
-        urls = [p.get("url") for p in processes if p.get("role") == "engine"]
+        urls = [p.get("url") for p in processes if p.get("role") == role]
         return urls[0] if urls else None
 
     def _run(self) -> None:
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while not self._stop.wait(0.25):
-                url = self._engine_url()
+                url = self._process_url("engine")
                 if url is None:
                     continue
                 try:
@@ -174,6 +182,26 @@ class IdlePoller:
                 if match:
                     self.samples.append((time.monotonic(), float(match.group(1))))
                 self._read_buffer(client)
+                self._read_live_version(client)
+                self._read_worker(client)
+
+    def _read_worker(self, client: httpx.Client) -> None:
+        url = self._process_url("worker")
+        try:
+            text = client.get(f"{url}/metrics").text if url else ""
+        except httpx.HTTPError:
+            return
+        match = re.search(r"^miles_rollout_live_episodes(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
+        if match:
+            self.live_episodes.append((time.monotonic(), float(match.group(1))))
+
+    def _read_live_version(self, client: httpx.Client) -> None:
+        try:
+            answer = client.get(f"{self.router_url}/v1/weight_version", params={"pool": self.job_id}).json()
+        except (httpx.HTTPError, ValueError):
+            return
+        if answer.get("min_weight_version") is not None:
+            self.live_since.setdefault(int(answer["min_weight_version"]), time.monotonic())
 
     def _read_buffer(self, client: httpx.Client) -> None:
         try:
@@ -203,21 +231,32 @@ class IdlePoller:
         return round(sum(window) / len(window), 3) if window else None
 
     def mean_running(self, start: float, end: float) -> float | None:
-        window = [running for at, running in self.samples if start <= at <= end]
-        return round(sum(window) / len(window), 2) if window else None
+        return _mean([running for at, running in self.samples if start <= at <= end])
+
+    def mean_live_episodes(self, start: float, end: float) -> float | None:
+        return _mean([live for at, live in self.live_episodes if start <= at <= end])
 
 
-def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any], buffer_metrics_url: str) -> dict[str, Any]:
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 2) if values else None
+
+
+def run_job(
+    client: httpx.Client, layout: Layout, spec: dict[str, Any], buffer_metrics_url: str, router_url: str
+) -> dict[str, Any]:
     job = client.post("/v1/jobs", json=spec)
     job.raise_for_status()
     job_id = job.json()["job_id"]
-    poller = IdlePoller(layout.controller_state_dir / "jobs" / job_id, buffer_metrics_url, job_id).start()
+    job_dir = layout.controller_state_dir / "jobs" / job_id
+    poller = IdlePoller(job_dir, buffer_metrics_url, job_id, router_url).start()
     step_seen_at: dict[int, float] = {}
+    step_metrics: dict[int, dict[str, float]] = {}
     final = "?"
     try:
         for event in iter_events(client, job_id):
             if event.type == "progress" and event.data.get("step", 0) > 0:
                 step_seen_at.setdefault(int(event.data["step"]), time.monotonic())
+                step_metrics.setdefault(int(event.data["step"]), dict(event.data.get("metrics") or {}))
                 print(f"  {spec['train']['mode']}: step {event.data['step']}", flush=True)
             if event.type == "state":
                 final = str(event.data.get("state"))
@@ -236,8 +275,33 @@ def run_job(client: httpx.Client, layout: Layout, spec: dict[str, Any], buffer_m
         "samples_per_s": round(samples / window_s, 3),
         "engine_idle_fraction": poller.idle_fraction(step_seen_at[first], step_seen_at[last]),
         "engine_mean_running_requests": poller.mean_running(step_seen_at[first], step_seen_at[last]),
+        "worker_mean_live_episodes": poller.mean_live_episodes(step_seen_at[first], step_seen_at[last]),
+        "trainer_mean_s": trainer_phases([step_metrics[s] for s in steps[1:] if s in step_metrics]),
+        "version_live_lag_s": live_lag(step_seen_at, poller.live_since, steps),
         **poller.staleness(),
     }
+
+
+def live_lag(step_seen_at: dict[int, float], live_since: dict[int, float], steps: list[int]) -> float | None:
+    """Mean time from a step's progress event to the router answering its version as live (publish, weight-sync's
+    update of the engine, the router learning it): how long the staleness window waits to slide."""
+    lags = [live_since[s] - step_seen_at[s] for s in steps if s in live_since]
+    return round(sum(lags) / len(lags), 3) if lags else None
+
+
+TRAINER_PHASES = ("wait_data_s", "forward_backward_s", "optimizer_s", "publish_s")
+"""The trainer's own per-step timings (its step metrics, as the job's progress events carry them): where a step's
+time goes (waiting for groups, computing, publishing the new version)."""
+
+
+def trainer_phases(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each of TRAINER_PHASES over the timed steps that report it."""
+    means = {}
+    for name in TRAINER_PHASES:
+        values = [float(m[name]) for m in metrics if name in m]
+        if values:
+            means[name] = round(sum(values) / len(values), 3)
+    return means
 
 
 def main() -> None:
@@ -250,13 +314,14 @@ def main() -> None:
     layout = Layout(scratch / "home")
     state = start_platform(layout)
     buffer_metrics_url = state.services["buffer"].ready_url.removesuffix("/readyz") + "/metrics"
+    router_url = state.services["router"].ready_url.removesuffix("/readyz")
     results: dict[str, Any] = {}
     try:
         with httpx.Client(base_url=state.controller_url, timeout=60, trust_env=False) as client:
             for mode in MODES:
                 print(f"{mode}: {NUM_STEPS} steps", flush=True)
                 spec = job_spec(model_dir, scratch / "data.jsonl", mode)
-                results[mode] = run_job(client, layout, spec, buffer_metrics_url)
+                results[mode] = run_job(client, layout, spec, buffer_metrics_url, router_url)
     finally:
         stop_platform(layout)
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
@@ -282,6 +347,8 @@ def main() -> None:
             f"{mode}: samples_per_s={r['samples_per_s']} engine_idle_fraction={r['engine_idle_fraction']}"
             f" engine_mean_running_requests={r['engine_mean_running_requests']}"
             f" dropped_stale_groups={r['dropped_stale_groups']} of pulled_groups={r['pulled_groups']}"
+            f" worker_mean_live_episodes={r['worker_mean_live_episodes']}"
+            f" trainer_mean_s={r['trainer_mean_s']} version_live_lag_s={r['version_live_lag_s']}"
         )
     print(f"async_vs_sync={ratio:.2f}")
 
