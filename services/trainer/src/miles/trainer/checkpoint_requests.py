@@ -1,8 +1,9 @@
 """The control API's checkpoint requests (`Trainer.request_checkpoint`): held until the loop reaches a point
 between its phases (never in the middle of a step) and answered there, all by one checkpoint.
 
-Limit: `fail` reaches only the requests still waiting to be served. Those being served when their checkpoint
-raises get no answer here: the loop fails with that error and the service shuts down around them.
+A checkpoint that raises (or is cancelled) answers the requests it was serving with TrainerNotRunningError naming
+the error, then the error goes on to the loop, which fails; `fail` answers those still waiting. No request is
+left waiting for an answer that cannot come.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ class CheckpointRequests:
         if not self._waiters:
             return
         waiters, self._waiters = self._waiters, []
-        outcome = await checkpoint()
+        try:
+            outcome = await checkpoint()
+        except BaseException as exc:
+            error = TrainerNotRunningError(f"the checkpoint failed: {type(exc).__name__}: {exc}")
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(error)
+            raise
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(outcome)
