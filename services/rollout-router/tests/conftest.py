@@ -287,7 +287,9 @@ def router_settings(**overrides: Any) -> RouterSettings:
         "port": 0,
         "admin_grpc_port": 0,
         "health_check_interval_s": 0.2,
-        "health_check_timeout_s": 2.0,
+        # Generous: a fake engine answers /health at once, but a loaded 2-core CI box can stall the test's event
+        # loop for seconds, and a registration probe that times out marks the engine unhealthy (CI, stop 39).
+        "health_check_timeout_s": 10.0,
         "version_poll_interval_s": 0.2,
         "retry_backoff_initial_s": 0.01,
         "retry_backoff_max_s": 0.05,
