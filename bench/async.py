@@ -13,15 +13,19 @@ episodes are much longer than the rest.
 `sync` is barrier-synchronous (the rollout workers start exactly one batch per weight version and wait for the
 next: miles.rollout.barrier), the baseline users compare asynchronous training against; `async` has no barrier:
 its workers admit groups into the batches of the live version and the 2 after it (the staleness window), and the
-trainer takes groups up to 2 versions old (a straggler older than that is dropped as stale, counted).
+trainer takes groups up to 2 versions old. A long-tail episode runs on across weight updates (each turn is a span
+with its own version): with the default `stale_policy: mask` (partial rollout) the trainer masks its turns older
+than 2 versions out of the loss and trains the rest; only a group with no turn that fresh is dropped, counted.
 
 Per mode: one job of NUM_STEPS steps; samples/s = trained samples between step TIMED_FROM_STEP and the last step
 over the time between them (start-up and its backlog excluded); engine idle fraction = share of 0.25 s polls of
-the engine's `num_running_reqs` gauge that read 0 over the same window; the buffer's count of groups dropped as
-stale and the staleness distribution of the groups trained; the worker's mean episodes in flight; the trainer's
+the engine's `num_running_reqs` gauge that read 0 over the same window; loss tokens trained per second and the
+share masked as stale (samples/s counts a sample whose early turns were masked as one: the token rate is the check
+that async's lead is not only in that count); the buffer's count of groups dropped as stale and the staleness
+distribution of the groups trained; the worker's mean episodes in flight; the trainer's
 mean wait for data, forward-backward, optimizer and publish seconds per step (its step metrics); and the mean time
-from a step's progress event to the router answering its version as live. Prints `async_vs_sync=<ratio>` and
-writes bench/results/async.json.
+from a step's progress event to the router answering its version as live. Prints `async_vs_sync=<ratio>` (and
+the loss-token ratio) and writes bench/results/async.json.
 """
 
 from __future__ import annotations
@@ -268,6 +272,7 @@ def run_job(
     first, last = steps[0], steps[-1]
     window_s = step_seen_at[last] - step_seen_at[first]
     samples = (last - first) * GROUPS_PER_STEP * SAMPLES_PER_PROMPT
+    timed_metrics = [step_metrics[s] for s in steps[1:] if s in step_metrics]
     return {
         "job_id": job_id,
         "steps_timed": [first, last],
@@ -276,9 +281,22 @@ def run_job(
         "engine_idle_fraction": poller.idle_fraction(step_seen_at[first], step_seen_at[last]),
         "engine_mean_running_requests": poller.mean_running(step_seen_at[first], step_seen_at[last]),
         "worker_mean_live_episodes": poller.mean_live_episodes(step_seen_at[first], step_seen_at[last]),
-        "trainer_mean_s": trainer_phases([step_metrics[s] for s in steps[1:] if s in step_metrics]),
+        **loss_tokens(timed_metrics, window_s),
+        "trainer_mean_s": trainer_phases(timed_metrics),
         "version_live_lag_s": live_lag(step_seen_at, poller.live_since, steps),
         **poller.staleness(),
+    }
+
+
+def loss_tokens(metrics: list[dict[str, float]], window_s: float) -> dict[str, float]:
+    """Tokens the timed steps trained on (their loss tokens) per second, and the share of the loss tokens of their
+    samples masked as older than max_staleness (partial rollout): samples/s counts a sample whose early turns were
+    masked as one, this counts only what was trained."""
+    kept = sum(float(m.get("num_loss_tokens", 0.0)) for m in metrics)
+    masked = sum(float(m.get("stale_masked_tokens", 0.0)) for m in metrics)
+    return {
+        "loss_tokens_per_s": round(kept / window_s, 1),
+        "stale_masked_token_fraction": round(masked / max(kept + masked, 1.0), 3),
     }
 
 
@@ -325,6 +343,7 @@ def main() -> None:
     finally:
         stop_platform(layout)
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    token_ratio = results["async"]["loss_tokens_per_s"] / results["sync"]["loss_tokens_per_s"]
     mean_turns = sum(turns) / len(turns)
     report = {
         "benchmark": "async vs sync: samples/s of the same long-tail tool-turn job, max staleness 2",
@@ -337,6 +356,7 @@ def main() -> None:
         "samples_per_prompt": SAMPLES_PER_PROMPT,
         **results,
         "async_vs_sync": round(ratio, 2),
+        "async_vs_sync_loss_tokens": round(token_ratio, 2),
         "machine": describe_machine(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -346,11 +366,13 @@ def main() -> None:
         print(
             f"{mode}: samples_per_s={r['samples_per_s']} engine_idle_fraction={r['engine_idle_fraction']}"
             f" engine_mean_running_requests={r['engine_mean_running_requests']}"
+            f" loss_tokens_per_s={r['loss_tokens_per_s']}"
+            f" stale_masked_token_fraction={r['stale_masked_token_fraction']}"
             f" dropped_stale_groups={r['dropped_stale_groups']} of pulled_groups={r['pulled_groups']}"
             f" worker_mean_live_episodes={r['worker_mean_live_episodes']}"
             f" trainer_mean_s={r['trainer_mean_s']} version_live_lag_s={r['version_live_lag_s']}"
         )
-    print(f"async_vs_sync={ratio:.2f}")
+    print(f"async_vs_sync={ratio:.2f} async_vs_sync_loss_tokens={token_ratio:.2f}")
 
 
 if __name__ == "__main__":

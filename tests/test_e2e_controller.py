@@ -16,6 +16,7 @@ through `PATCH`; cancelling B gives CANCELLED with none of its processes left an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -26,9 +27,11 @@ from typing import Any
 import httpx
 import pytest
 
+from miles.buffer.client import BufferClient
 from miles.common.testing import ServiceProcess, free_port
 from miles.common.testing.smoke import console_script
 from miles.controller.backends.local_processes import proc_start_time
+from miles.proto.buffer.v1 import buffer_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -237,6 +240,14 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 120)
         time.sleep(0.5)
 
 
+def buffer_config(stack: Any, job_id: str) -> buffer_pb2.JobBufferConfig:
+    async def read() -> buffer_pb2.JobBufferConfig:
+        async with BufferClient(stack.buffer_address) as buffer:
+            return (await buffer.stats(job_id)).config
+
+    return asyncio.run(read())
+
+
 @pytest.mark.slow  # two jobs and a controller restart: about two minutes of the 2-core make test
 def test_jobs_through_the_rest_api_survive_a_controller_crash(stack: Any, controller: Controller) -> None:
     num_steps_a = 8
@@ -254,6 +265,8 @@ def test_jobs_through_the_rest_api_survive_a_controller_crash(stack: Any, contro
     events.start()
     controller.wait_job(job_a, lambda job: job["state"] == "RUNNING" and job["pools"]["engines"]["live"] == 1)
     pids_a, pids_b = controller.job_pids(job_a), controller.job_pids(job_b)
+    # The controller configured A's buffer queue for partial rollout (train.stale_policy mask, the async default).
+    assert buffer_config(stack, job_a).stale_policy == buffer_pb2.STALE_POLICY_MASK
     assert set(pids_a) == {"engine-0", "weightsync", "worker-0", "trainer"}
     # Separate engine pools and processes per job (the session server sends a job's sessions to its pool only).
     engines_a, engines_b = set(pool_engines(stack, job_a)), set(pool_engines(stack, job_b))

@@ -36,3 +36,11 @@ def test_rollout_denominator_with_a_correction_is_a_recipe_problem_not_a_validat
 def test_each_single_correction_is_accepted(old_logprobs: str, mode: str) -> None:
     config = TrainConfig.model_validate({"loss": {"old_logprobs": old_logprobs}, "correction": {"mode": mode}})
     assert config.recipe_problems() == []
+
+
+def test_async_masks_stale_spans_by_default_and_sync_always_drops() -> None:
+    assert (TrainConfig().stale_policy, TrainConfig().effective_stale_policy) == ("mask", "mask")
+    assert TrainConfig(stale_policy="drop").effective_stale_policy == "drop"
+    assert TrainConfig(mode="sync").effective_stale_policy == "drop"
+    with pytest.raises(ValidationError, match="stale_policy"):
+        TrainConfig.model_validate({"stale_policy": "requeue"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
 from miles.proto.buffer.v1 import buffer_pb2
@@ -70,3 +71,26 @@ async def test_versions_0_to_5_served_dropped_or_requeued(
         # A dropped group's id is remembered (a late retry is a no-op); a requeued prompt may come back under it.
         expected = buffer_pb2.PUSH_OUTCOME_DUPLICATE if policy == "drop" else buffer_pb2.PUSH_OUTCOME_QUEUED
         assert outcome == expected
+
+
+@pytest.mark.integration
+async def test_mask_policy_leases_a_group_while_its_newest_span_is_within_the_bound(
+    shared_buffer: BufferProcess, make_group: GroupFactory, job_id: str
+) -> None:
+    """Partial rollout at trainer version 5, max_staleness 2: a group whose episodes ran on from version v to
+    version w is leased while w >= 3, reported at staleness min(5 - v, 2), and counted as masked when v < 3."""
+    async with shared_buffer.client() as buffer:
+        await buffer.configure_job(job_id, capacity_groups=16, stale_policy="mask")
+        spans = {"v0-v4": (0, 4), "v1-v2": (1, 2), "v0-v1": (0, 1), "v3-v5": (3, 5), "v5": (5,)}
+        for group_id, versions in spans.items():
+            await buffer.push_group(job_id, make_group(group_id, versions=versions))
+        batch = await buffer.pull_batch(job_id, num_groups=10, trainer_version=5, max_staleness=2, lease_s=60)
+        leased = [(g.group.group_id, g.staleness) for g in batch.groups]
+        assert leased == [("v0-v4", 2), ("v3-v5", 2), ("v5", 0)]
+        assert (batch.num_dropped_stale, batch.num_requeued) == (2, 0)
+        async with httpx.AsyncClient(trust_env=False) as http:
+            metrics = (await http.get(shared_buffer.metrics_url)).text
+        assert f'miles_buffer_stale_masked_groups_total{{job_id="{job_id}"}} 1.0' in metrics
+        stats = await buffer.stats(job_id)
+        assert (stats.stale_masked_total, stats.dropped_stale_total, stats.max_staleness) == (1, 2, 2)
+        assert stats.config.stale_policy == buffer_pb2.STALE_POLICY_MASK

@@ -34,7 +34,11 @@ from miles.proto.common.v1 import common_pb2
 ResponseT = TypeVar("ResponseT")
 _PUSH_GROUP_FIELD = buffer_pb2.PushGroupRequest.DESCRIPTOR.fields_by_name["group"].number
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-_STALE_POLICIES = {"drop": buffer_pb2.STALE_POLICY_DROP, "requeue": buffer_pb2.STALE_POLICY_REQUEUE}
+_STALE_POLICIES = {
+    "drop": buffer_pb2.STALE_POLICY_DROP,
+    "requeue": buffer_pb2.STALE_POLICY_REQUEUE,
+    "mask": buffer_pb2.STALE_POLICY_MASK,
+}
 _GROUP_FILTERS = {
     "none": buffer_pb2.GROUP_FILTER_NONE,
     "drop_equal_rewards": buffer_pb2.GROUP_FILTER_DROP_EQUAL_REWARDS,
@@ -113,7 +117,7 @@ class BufferClient:
         job_id: str,
         *,
         capacity_groups: int = 0,
-        stale_policy: Literal["drop", "requeue"] = "drop",
+        stale_policy: Literal["drop", "requeue", "mask"] = "drop",
         group_filter: Literal["none", "drop_equal_rewards"] = "none",
         min_valid_samples: int = 1,
     ) -> buffer_pb2.JobBufferConfig:

@@ -15,8 +15,13 @@ _STALE_POLICY_FROM_PROTO: dict[int, StalePolicy] = {
     buffer_pb2.STALE_POLICY_UNSPECIFIED: "drop",
     buffer_pb2.STALE_POLICY_DROP: "drop",
     buffer_pb2.STALE_POLICY_REQUEUE: "requeue",
+    buffer_pb2.STALE_POLICY_MASK: "mask",
 }
-_STALE_POLICY_TO_PROTO = {"drop": buffer_pb2.STALE_POLICY_DROP, "requeue": buffer_pb2.STALE_POLICY_REQUEUE}
+_STALE_POLICY_TO_PROTO = {
+    "drop": buffer_pb2.STALE_POLICY_DROP,
+    "requeue": buffer_pb2.STALE_POLICY_REQUEUE,
+    "mask": buffer_pb2.STALE_POLICY_MASK,
+}
 _GROUP_FILTER_FROM_PROTO: dict[int, GroupFilter] = {
     buffer_pb2.GROUP_FILTER_UNSPECIFIED: "none",
     buffer_pb2.GROUP_FILTER_NONE: "none",
@@ -70,6 +75,7 @@ def stats_to_proto(stats: JobStats) -> buffer_pb2.StatsResponse:
         expired_leases_total=stats.counter("expired"),
         dropped_stale_total=stats.counter("dropped_stale"),
         requeued_total=stats.counter("requeued"),
+        stale_masked_total=stats.counter("stale_masked"),
         filtered_total=stats.filtered_total,
         rejected_aborted_total=stats.counter("rejected_aborted"),
         avg_staleness=stats.avg_staleness,

@@ -36,6 +36,9 @@ class BufferMetrics:
         self.expired = metrics.counter("expired_leases", "Leases that expired and returned their group", job)
         self.dropped_stale = metrics.counter("dropped_stale_groups", "Groups over the staleness bound, dropped", job)
         self.requeued = metrics.counter("requeued_groups", "Groups over the staleness bound, sent back to rollout", job)
+        self.stale_masked = metrics.counter(
+            "stale_masked_groups", "Groups leased with spans over the staleness bound, masked by the trainer", job
+        )
         self.staleness: Histogram = metrics.histogram(
             "pulled_group_staleness_steps", "Staleness of pulled groups (weight versions)", job, STALENESS_BUCKETS_STEPS
         )
@@ -50,8 +53,8 @@ class BufferMetrics:
         self.requeued_pending = metrics.gauge("requeued_pending_prompts", "Requeued prompts not yet taken", job)
         self._per_job: tuple[Counter | Gauge | Histogram, ...] = (
             self.pushed, self.duplicates, self.rejected, self.push_full, self.pulled, self.redelivered, self.acked,
-            self.nacked, self.discarded, self.expired, self.dropped_stale, self.requeued, self.staleness,
-            self.batch_avg_staleness, self.batch_max_staleness, self.queued_groups, self.queued_samples,
+            self.nacked, self.discarded, self.expired, self.dropped_stale, self.requeued, self.stale_masked,
+            self.staleness, self.batch_avg_staleness, self.batch_max_staleness, self.queued_groups, self.queued_samples,
             self.queued_tokens, self.leased_groups, self.capacity_groups, self.oldest_age_s, self.requeued_pending,
         )  # fmt: skip
         self._jobs: set[str] = set()
@@ -75,6 +78,7 @@ class BufferMetrics:
         self._jobs.add(job_id)
         self.dropped_stale.labels(job_id).inc(result.num_dropped_stale)
         self.requeued.labels(job_id).inc(result.num_requeued)
+        self.stale_masked.labels(job_id).inc(result.num_stale_masked)
         self.expired.labels(job_id).inc(result.num_expired_leases)
         if not result.groups:
             return

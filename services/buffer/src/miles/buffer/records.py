@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-StalePolicy = Literal["drop", "requeue"]
+StalePolicy = Literal["drop", "requeue", "mask"]
 GroupFilter = Literal["none", "drop_equal_rewards"]
 PushOutcome = Literal["queued", "duplicate", "rejected_all_aborted", "filtered"]
 FilterReason = Literal["equal_rewards", "too_few_valid"]
@@ -47,6 +47,8 @@ class PullResult:
     num_dropped_stale: int = 0
     num_requeued: int = 0
     num_expired_leases: int = 0
+    num_stale_masked: int = 0
+    """Leased groups with spans over the staleness bound (mask policy: the trainer masks those spans)."""
 
 
 @dataclass(frozen=True)

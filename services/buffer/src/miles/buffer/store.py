@@ -198,6 +198,7 @@ class RedisStore:
             prompt_index,
             epoch,
             *self.dedupe_args,
+            summary.max_weight_version,
         )
         if reply[0] == b"FULL":
             raise CapacityReachedError(job_id)
@@ -238,7 +239,8 @@ class RedisStore:
             num_requeued=int(reply[2]),
             num_expired_leases=int(reply[3]),
         )
-        for index in range(5, len(reply), 4):
+        result.num_stale_masked = int(reply[5])
+        for index in range(6, len(reply), 4):
             result.groups.append(
                 LeasedRecord(
                     lease_id=_text(reply[index]),

@@ -29,8 +29,9 @@ MAX_LEASE_IDS_PER_CALL = 100_000
 class GroupSummary:
     """What the store keeps about a valid group besides its bytes.
 
-    `min_weight_version` is the oldest span version over all samples (-1 when no sample has spans: such a group
-    is never stale); `trainable_rewards_equal` is true when every COMPLETED/TRUNCATED sample has the same reward.
+    `min_weight_version` / `max_weight_version` are the oldest / newest span version over all samples (-1 when no
+    sample has spans: such a group is never stale); `trainable_rewards_equal` is true when every COMPLETED/TRUNCATED
+    sample has the same reward.
     """
 
     min_weight_version: int
@@ -38,6 +39,7 @@ class GroupSummary:
     num_tokens: int
     num_trainable: int
     trainable_rewards_equal: bool
+    max_weight_version: int = -1
 
 
 def check_job_id(job_id: str) -> None:
@@ -122,6 +124,7 @@ def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
     if group.epoch < 0:
         raise InvalidRequestError("group.epoch must be >= 0", field="group.epoch")
     min_version = -1
+    max_version = max((span.weight_version for s in group.samples for span in s.weight_versions), default=-1)
     num_tokens = 0
     trainable_rewards: list[float] = []
     for index, sample in enumerate(group.samples):
@@ -138,6 +141,7 @@ def check_group(job_id: str, group: common_pb2.Group) -> GroupSummary:
         num_tokens=num_tokens,
         num_trainable=len(trainable_rewards),
         trainable_rewards_equal=len(set(trainable_rewards)) <= 1,
+        max_weight_version=max_version,
     )
 
 

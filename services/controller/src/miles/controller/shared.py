@@ -34,6 +34,9 @@ from miles.controller.backends.base import SharedServices
 from miles.controller.routing_replay import session_record_routing
 from miles.proto.buffer.v1 import buffer_pb2, buffer_pb2_grpc
 
+_STALE_POLICIES = {"mask": buffer_pb2.STALE_POLICY_MASK, "drop": buffer_pb2.STALE_POLICY_DROP}
+"""TrainConfig.stale_policy -> the buffer's policy for the job's groups over max_staleness."""
+
 
 def engine_pool_of(job_id: str, spec: JobSpec) -> str:
     """The router pool of a job's engines (the same name on every backend): the job id, or the shared pool a LoRA
@@ -105,7 +108,7 @@ class SharedServicesClient:
                 }
                 await self._session_call("PUT", pool_id, pool_body)
         if self._buffer is not None:
-            config = buffer_pb2.JobBufferConfig(stale_policy=buffer_pb2.STALE_POLICY_DROP)
+            config = buffer_pb2.JobBufferConfig(stale_policy=_STALE_POLICIES[spec.train.effective_stale_policy])
             request = buffer_pb2.ConfigureJobRequest(job_id=job_id, config=config)
             await self._grpc(self._buffer.ConfigureJob, request)
         return record_routing

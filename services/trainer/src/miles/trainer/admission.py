@@ -109,6 +109,7 @@ class Admission:
                 routing=self.shape.routing,
                 routing_replay=self.routing_replay,
                 distillation=self.train.distillation is not None,
+                stale_before=self._stale_before(trainer_version),
             )
         except BadGroupError as exc:
             await self.reject(leased, exc.reason, exc.message, step=step)
@@ -142,6 +143,13 @@ class Admission:
         self.events.publish(Event("rejected", step, message=f"group {group_id!r}: {reason}: {why}"))
         # The reason is in the message too: the local backend's plain-text logs drop `extra` fields.
         log.warning("group rejected: %s", reason, extra={"group_id": group_id, "reason": reason, "why": why})
+
+    def _stale_before(self, trainer_version: int) -> int | None:
+        """Under stale_policy mask (partial rollout), spans sampled before this version are masked out of the loss;
+        None: nothing is masked (drop, and sync mode, never lease a group with such spans)."""
+        if self.train.effective_stale_policy != "mask":
+            return None
+        return trainer_version - self.train.effective_max_staleness
 
     def _superseded_span(self, samples: list[TrainSample]) -> int | None:
         """A span version of `samples` that a rewind superseded (None when every span is in the lineage)."""

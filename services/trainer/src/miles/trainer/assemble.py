@@ -102,5 +102,18 @@ def assemble(
         **role_stats(samples),
         **distill_stats,
     }
+    stats |= _loss_token_stats(trainable)
     num_tokens = sum(s.num_tokens for s in samples)
     return AssembledBatch(plan=plan, stats=stats, num_samples=len(samples), num_tokens=num_tokens)
+
+
+def _loss_token_stats(trainable: Sequence[TrainSample]) -> dict[str, float]:
+    """Loss tokens the batch trains on, those masked as older than the staleness bound (stale_policy mask), and the
+    masked ones' share of the loss tokens the samples had before masking."""
+    masked = sum(s.num_stale_masked_tokens for s in trainable)
+    kept = sum(sum(s.loss_mask) for s in trainable)
+    return {
+        "num_loss_tokens": float(kept),
+        "stale_masked_tokens": float(masked),
+        "stale_masked_token_fraction": masked / max(masked + kept, 1),
+    }

@@ -91,6 +91,8 @@ class TrainSample:
     token_advantages: list[float] | None = None
     """A per-response-token advantage (on-policy distillation) that replaces `advantage` in the loss; None: every
     token gets `advantage`."""
+    num_stale_masked_tokens: int = 0
+    """Loss tokens of spans older than the staleness bound, masked out of `loss_mask` (stale_policy mask)."""
 
     @property
     def num_tokens(self) -> int:
@@ -186,10 +188,13 @@ def samples_from_group(
     routing: RoutingShape | None = None,
     routing_replay: bool = False,
     distillation: bool = False,
+    stale_before: int | None = None,
 ) -> list[TrainSample]:
     """Validated samples of one group; raises BadGroupError. `routing`: the model's MoE routing shape (None: a
     dense model); `routing_replay`: whether the job replays routing (trainable samples must then carry it);
-    `distillation`: whether the job distills (trainable samples must then carry their teacher's logprobs)."""
+    `distillation`: whether the job distills (trainable samples must then carry their teacher's logprobs);
+    `stale_before`: spans sampled by an older version are masked out of the loss (partial rollout: they stay
+    context), and min/max_version are those of the remaining spans (None when none remains)."""
     if not group.samples:
         raise BadGroupError("empty_group", f"group {group.group_id!r} has no samples")
     samples = []
@@ -202,6 +207,8 @@ def samples_from_group(
         if distillation and trainable and not sample.teacher_logprobs:
             raise BadGroupError("missing_teacher_logprobs", f"{where} of a distillation job has no teacher logprobs")
         versions = [span.weight_version for span in sample.weight_versions]
+        loss_mask, num_masked = _mask_stale_spans(sample, stale_before)
+        fresh = versions if stale_before is None else [v for v in versions if v >= stale_before]
         samples.append(
             TrainSample(
                 group_id=group.group_id,
@@ -209,19 +216,34 @@ def samples_from_group(
                 group_index=group_index,
                 tokens=list(sample.tokens),
                 response_start=sample.response_start,
-                loss_mask=list(sample.loss_mask),
+                loss_mask=loss_mask,
                 rollout_logprobs=list(sample.rollout_logprobs),
                 reward=float(sample.reward),
                 trainable=trainable,
-                min_version=min(versions) if versions else None,
-                max_version=max(versions) if versions else None,
+                min_version=min(fresh) if fresh else None,
+                max_version=max(fresh) if fresh else None,
                 span_versions=tuple(versions),
                 routed_experts=routed,
                 role=role,
                 teacher_logprobs=list(sample.teacher_logprobs) if sample.teacher_logprobs else None,
+                num_stale_masked_tokens=num_masked if trainable else 0,
             )
         )
     return samples
+
+
+def _mask_stale_spans(sample: common_pb2.Sample, stale_before: int | None) -> tuple[list[int], int]:
+    """The sample's loss mask with every span older than `stale_before` zeroed, and how many loss tokens that
+    removed."""
+    loss_mask = list(sample.loss_mask)
+    num_masked = 0
+    if stale_before is None:
+        return loss_mask, 0
+    for span in sample.weight_versions:
+        if span.weight_version < stale_before:
+            num_masked += sum(loss_mask[span.start : span.end])
+            loss_mask[span.start : span.end] = [0] * (span.end - span.start)
+    return loss_mask, num_masked
 
 
 def group_staleness(samples: Sequence[TrainSample], trainer_version: int) -> int:

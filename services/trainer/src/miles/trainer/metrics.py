@@ -48,6 +48,8 @@ STEP_GAUGES: dict[str, str] = {
     "learning_rate": "Learning rate of the last step",
     "staleness_mean": "Mean staleness (versions) of the groups of the last step",
     "staleness_max": "Largest staleness (versions) of the groups of the last step",
+    "stale_masked_token_fraction": "Share of the last step's loss tokens masked as sampled more than max_staleness "
+    "versions before it (stale_policy mask: the early turns of episodes that ran on across updates)",
     "tokens_per_second": "Tokens (prompt + response) of the batch per second of the step's forward/backward passes",
     "ppo_ratio_min": "Smallest PPO ratio pi_theta / pi_old (or / mu with old_logprobs rollout) over loss tokens",
     "ppo_ratio_max": "Largest PPO ratio pi_theta / pi_old (or / mu with old_logprobs rollout) over loss tokens",
@@ -81,6 +83,9 @@ class TrainerMetrics:
         self.groups_trained = metrics.counter("groups_trained", "Groups trained on by this process")
         self.samples_trained = metrics.counter("samples_trained", "Trainable samples trained on by this process")
         self.tokens_trained = metrics.counter("tokens_trained", "Tokens (prompt + response) forwarded in training")
+        self.stale_masked_tokens = metrics.counter(
+            "stale_masked_tokens", "Loss tokens masked as older than max_staleness (stale_policy mask), not trained"
+        )
         self.groups_rejected = metrics.counter(
             "groups_rejected", "Groups nacked (discarded) as untrainable, by reason", ["reason"]
         )
@@ -130,6 +135,7 @@ class TrainerMetrics:
         self.groups_trained.inc(len(staleness))
         self.samples_trained.inc(num_samples)
         self.tokens_trained.inc(num_tokens)
+        self.stale_masked_tokens.inc(values.get("stale_masked_tokens", 0.0))
         for phase in ("wait_data", "forward_backward", "optimizer"):
             self.phase_seconds.labels(phase).observe(values[f"{phase}_s"])
         for versions in staleness:

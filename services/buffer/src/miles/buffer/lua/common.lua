@@ -17,6 +17,8 @@
 local K_CFG, K_DATA, K_INFO, K_QUEUE, K_EXPIRY, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local K_DONE, K_ACKED, K_REQUEUED, K_STATS, K_SEQ = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local I_SEQ, I_MINV, I_SAMPLES, I_TOKENS, I_PUSHED, I_DELIVERIES, I_PROMPT, I_EPOCH = 1, 2, 3, 4, 5, 6, 7, 8
+-- Newest span version (-1: none); absent in groups pushed before it was kept (their oldest one stands in).
+local I_MAXV = 9
 
 local function now_ms()
   local t = redis.call('TIME')

@@ -5,21 +5,24 @@
 -- library resending it after a lost reply) makes new leases instead of overwriting the first execution's,
 -- whose groups then simply come back when those leases expire.
 -- Scans the queue oldest first; groups over the staleness bound are dropped or requeued (by the job's policy)
--- whatever else happens. When fewer than min_groups are eligible nothing is leased (status WAIT).
--- Returns {status, num_dropped, num_requeued, num_expired, lease_expires_ms,
+-- whatever else happens. Under the mask policy a group is over the bound only when its newest span is; one whose
+-- oldest span is over it is leased at the bound's staleness and counted (the trainer masks the old spans).
+-- When fewer than min_groups are eligible nothing is leased (status WAIT).
+-- Returns {status, num_dropped, num_requeued, num_expired, lease_expires_ms, num_stale_masked,
 --          then per leased group: lease_id, group bytes, staleness, redelivery_count}; status NOJOB|WAIT|OK.
 if not job_exists() then
-  return {'NOJOB', 0, 0, 0, 0}
+  return {'NOJOB', 0, 0, 0, 0, 0}
 end
 local now = now_ms()
 local expired = reap_expired(now, tonumber(ARGV[10]))
 local want, need = tonumber(ARGV[1]), tonumber(ARGV[2])
 local version, bound = tonumber(ARGV[3]), tonumber(ARGV[4])
-local requeue = redis.call('HGET', K_CFG, 'stale_policy') == 'requeue'
+local policy = redis.call('HGET', K_CFG, 'stale_policy')
+local requeue, mask = policy == 'requeue', policy == 'mask'
 local max_bytes = tonumber(ARGV[11])
 local chosen = {}
 local chosen_bytes = 0
-local dropped, requeued = 0, 0
+local dropped, requeued, masked = 0, 0, 0
 local offset = 0
 local chunk = math.max(want, 64)
 local full = false
@@ -33,6 +36,9 @@ while #chosen < want and not full do
     local staleness = 0
     if info[I_MINV] >= 0 then
       staleness = math.max(0, version - info[I_MINV])
+    end
+    if mask and staleness > bound and version - (info[I_MAXV] or info[I_MINV]) <= bound then
+      staleness = -1 -- leased at the bound, counted as masked when leased
     end
     if staleness > bound then
       redis.call('ZREM', K_QUEUE, gid)
@@ -68,15 +74,19 @@ if requeued > 0 then
   redis.call('HINCRBY', K_STATS, 'requeued', requeued)
 end
 if #chosen < need or #chosen == 0 then
-  return {'WAIT', dropped, requeued, expired, 0}
+  return {'WAIT', dropped, requeued, expired, 0, 0}
 end
 
 local expires = now + tonumber(ARGV[5])
-local reply = {'OK', dropped, requeued, expired, expires}
+local reply = {'OK', dropped, requeued, expired, expires, 0}
 local staleness_sum = 0
 local staleness_max = tonumber(redis.call('HGET', K_STATS, 'staleness_max') or '0')
 for _, entry in ipairs(chosen) do
   local gid, staleness, info = entry[1], entry[2], entry[3]
+  if staleness < 0 then
+    staleness = bound
+    masked = masked + 1
+  end
   local lid = ARGV[6] .. ':' .. redis.call('INCR', K_SEQ)
   redis.call('ZREM', K_QUEUE, gid)
   count_queued(info, -1)
@@ -93,6 +103,10 @@ for _, entry in ipairs(chosen) do
   staleness_max = math.max(staleness_max, staleness)
 end
 redis.call('HINCRBY', K_STATS, 'pulled', #chosen)
+if masked > 0 then
+  redis.call('HINCRBY', K_STATS, 'stale_masked', masked)
+  reply[6] = masked
+end
 redis.call('HINCRBY', K_STATS, 'staleness_sum', staleness_sum)
 redis.call('HSET', K_STATS, 'staleness_max', staleness_max)
 return reply

@@ -1,6 +1,6 @@
 -- PushGroup. ARGV: 1 group_id, 2 group bytes, 3 min span version (-1: none), 4 num_samples, 5 num_tokens,
 -- 6 num_trainable, 7 trainable rewards all equal (1|0), 8 prompt_index, 9 epoch, 10 dedupe window ms,
--- 11 dedupe max ids.
+-- 11 dedupe max ids, 12 max span version (-1: none).
 -- Returns {outcome, num_queued_groups, filter reason}; outcome NOJOB|DUPLICATE|REJECTED|FILTERED|FULL|QUEUED.
 if not job_exists() then
   return {'NOJOB', 0, ''}
@@ -35,7 +35,7 @@ if redis.call('HLEN', K_DATA) >= tonumber(cfg[1]) then
 end
 local seq = redis.call('INCR', K_SEQ)
 local info = {seq, tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), now, 0, tonumber(ARGV[8]),
-  tonumber(ARGV[9])}
+  tonumber(ARGV[9]), tonumber(ARGV[12])}
 redis.call('HSET', K_DATA, gid, ARGV[2])
 redis.call('HSET', K_INFO, gid, cmsgpack.pack(unpack(info)))
 redis.call('ZADD', K_QUEUE, seq, gid)
