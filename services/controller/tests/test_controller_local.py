@@ -194,6 +194,7 @@ def test_each_transport_gives_the_trainer_what_the_chart_gives_it(tmp_path: Path
         assert sections[transport]["router_url"] == "http://127.0.0.1:8000" and sections[transport]["pool"] == "job-x"
     assert (sections["nccl"]["nccl_backend"], sections["nccl"]["nccl_master_port"]) == ("gloo", 0)
     assert sections["disk"]["dir"] == str(tmp_path / "published")
+    assert sections["nccl"]["pause_mode"] == sections["disk"]["pause_mode"] == "in_place"  # the CPU engine's default
     assert local_layout.uses_weightsync(job_spec(Path("/m")))
     assert not local_layout.uses_weightsync(job_spec(Path("/m"), weight_sync={"transport": "nccl"}))
 

@@ -219,6 +219,24 @@ async def test_pause_then_continue_resumes_the_same_sequence(make_engine: MakeEn
     assert result["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+async def test_a_request_carried_across_an_update_reports_which_weights_sampled_each_token(
+    make_engine: MakeEngine, tiny_model_dir: Path, mode: str
+) -> None:
+    engine = make_engine(fake_decode_token_cost_s=0.003)
+    running = asyncio.create_task(generate(engine, input_ids=[1, 2, 3], sampling_params=greedy(150, ignore_eos=True)))
+    await asyncio.sleep(0.15)
+    await engine.pause(mode)
+    await engine.update_weights_from_disk(str(tiny_model_dir), weight_version="v2", abort_all=False, flush_cache=False)
+    await engine.resume()
+    meta = (await running)["meta_info"]
+    spans = meta["miles_weight_version_spans"]
+    assert [span[2] for span in spans] == ["default", "v2"] and meta["weight_version"] == "v2"
+    assert spans[0][0] == 0 and 0 < spans[0][1] == spans[1][0] < spans[1][1] == 150
+    fresh = await generate(engine, input_ids=[4, 5], sampling_params=greedy(5, ignore_eos=True))
+    assert fresh["meta_info"]["miles_weight_version_spans"] == [[0, 5, "v2"]]
+
+
 async def test_weight_update_waits_for_in_flight_requests(make_engine: MakeEngine, tiny_model_dir: Path) -> None:
     engine = make_engine(fake_decode_token_cost_s=0.003)
     before = await generate(engine, input_ids=[9, 9, 9], sampling_params=greedy(20, ignore_eos=True))

@@ -4,6 +4,7 @@ protobuf and JSON encodings of miles.common.v1.Sample."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -54,6 +55,22 @@ def test_trailing_token_trim_and_merge_masks_exactly_the_sampled_ids() -> None:
     assert sample.loss_mask == [1, 0, 0, 0, 1, 0, 0, 0, 1, 1]
     assert sample.rollout_logprobs == [-0.5, 0, 0, 0, -0.5, 0, 0, 0, -0.5, -1.5]
     assert [(s.start, s.end, s.weight_version) for s in sample.weight_versions] == [(0, 1, 10), (4, 5, 11), (8, 10, 12)]
+
+
+def test_a_turn_an_update_split_has_one_span_per_version_in_both_shapes() -> None:
+    """The middle turn [4, 5, STOP'] was sampled by version 11 then 13 (a pause carried it across an update): the
+    merged sample gets two spans for it, cut where its kept tokens end (the trimmed stop token is not one)."""
+    split = dataclasses.replace(
+        record(1, 7, [20, 21, STOP]), weight_version="13", weight_version_spans=[(0, 1, "11"), (1, 3, "13")]
+    )
+    ids = [1, 2, 3, 10, 4, 5, 6, 20, 21, 7, 8, 9, 30, STOP]
+    (sample,), _ = build([RECORDS[0], split, record(2, 12, [30, STOP])], ids)
+    spans = [(s.start, s.end, s.weight_version) for s in sample.weight_versions]
+    assert spans == [(0, 1, 10), (4, 5, 11), (5, 6, 13), (9, 11, 12)]
+    per_turn, _ = build([RECORDS[0], split, record(2, 12, [30, STOP])], ids, mode="per_turn")
+    assert [(s.start, s.end, s.weight_version) for s in per_turn[1].weight_versions] == [(0, 1, 11), (1, 2, 13)]
+    stored = TurnRecord.from_json(json.loads(json.dumps(split.to_json())))
+    assert stored == split
 
 
 def test_per_turn_samples_and_no_trim_for_the_last_turn() -> None:

@@ -48,7 +48,9 @@ _GENERATE_RESULT_SCHEMA: dict[str, Any] = {
     "description": "One response object (`text`, `output_ids`, `meta_info`), or a list of them for a batch or n > 1. "
     "With `return_routed_experts` and --enable-return-routed-experts, `meta_info.routed_experts` is base64 of "
     "little-endian int32 (prompt_tokens + completion_tokens - 1 - routed_experts_start_len, MoE layers, experts "
-    "per token); in a stream only the last chunk of a sequence carries it",
+    "per token); in a stream only the last chunk of a sequence carries it. `meta_info.miles_weight_version_spans` "
+    "(a miles extension) is `[[start, end, weight_version], ...]` over `output_ids`: the weights that sampled each "
+    "token (several when an in_place or retract pause carried the request across a weight update)",
     "anyOf": [
         {"type": "object", "required": ["meta_info"]},
         {"type": "array", "items": {"type": "object", "required": ["meta_info"]}},

@@ -47,6 +47,9 @@ class ResponseBuilder:
         self.cached_tokens: int | None = None
         self.finish: FinishReason | None = None
         self.weight_version = "default"
+        self.version_spans: list[list[Any]] = []
+        """[start, end, weight_version] over output_ids: which weights sampled each token (a request that an
+        in-place or retract pause carried across a weight update has several)."""
         self.routed_experts_b64: str | None = None
         self._e2e_latency_s: float | None = None
 
@@ -55,6 +58,8 @@ class ResponseBuilder:
         return self.finish is not None
 
     def apply(self, update: SeqUpdate) -> None:
+        if update.new_token_ids:
+            self._add_span(len(update.new_token_ids), update.weight_version)
         self.output_ids.extend(update.new_token_ids)
         self.output_logprobs.extend(update.new_logprobs)
         if update.cached_tokens is not None:
@@ -78,6 +83,7 @@ class ResponseBuilder:
             "id": self.rid,
             "finish_reason": None if self.finish is None else self.finish.to_json(),
             "weight_version": self.weight_version,
+            "miles_weight_version_spans": [list(span) for span in self.version_spans],
         }
         queued_abort = self.finish is not None and self.finish.in_waiting_queue
         if not queued_abort:
@@ -94,6 +100,13 @@ class ResponseBuilder:
         if self._return_prompt_token_ids:
             response["prompt_token_ids"] = list(self.prompt_ids)
         return response
+
+    def _add_span(self, num_tokens: int, weight_version: str) -> None:
+        start = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][2] == weight_version:
+            self.version_spans[-1][1] = start + num_tokens
+        else:
+            self.version_spans.append([start, start + num_tokens, weight_version])
 
     def _text(self) -> str | None:
         params, finish = self.sampling, self.finish

@@ -53,7 +53,8 @@ Generate = Callable[[str], Awaitable[Completion]]
 
 def served_with(completion: Completion, adapter: LiveAdapter) -> Completion:
     """`completion` recording the adapter version it was served with as its weight_version."""
-    return dataclasses.replace(completion, weight_version=sent_version(adapter.lora_name))
+    # The engine's spans would name the pool's base version; an adapter is never swapped under a running call.
+    return dataclasses.replace(completion, weight_version=sent_version(adapter.lora_name), weight_version_spans=None)
 
 
 def sent_version(lora_name: str) -> str:

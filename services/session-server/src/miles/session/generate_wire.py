@@ -38,6 +38,9 @@ class Completion:
     routed_experts: str | None = None
     """`meta_info.routed_experts` as sent (base64 of little-endian int32), when asked for; routing.py checks it.
     Never part of the agent's answer."""
+    weight_version_spans: list[tuple[int, int, str]] | None = None
+    """`meta_info.miles_weight_version_spans` (miles-engine): which weights sampled each output token, when a pause
+    carried the request across an update; None from an engine that reports one version per call (SGLang)."""
 
     def record(
         self,
@@ -64,6 +67,7 @@ class Completion:
             created_at_unix_ms=int(time.time() * 1000),
             upstream_latency_s=self.latency_s,
             routing_start_row=routing_start_row,
+            weight_version_spans=self.weight_version_spans,
         )
 
 
@@ -147,7 +151,27 @@ def parse_finished(
         prompt_tokens=_int_field(meta, "prompt_tokens", num_prompt_tokens),
         latency_s=latency_s,
         routed_experts=routed,
+        weight_version_spans=_version_spans(meta, len(ids)),
     )
+
+
+def _version_spans(meta: Mapping[str, Any], num_output_tokens: int) -> list[tuple[int, int, str]] | None:
+    """`meta_info.miles_weight_version_spans`, checked: ordered, non-overlapping [start, end) within the output,
+    each with a version label; None when absent or a single span (the turn's weight_version says it all)."""
+    raw = meta.get("miles_weight_version_spans")
+    if raw is None:
+        return None
+    spans: list[tuple[int, int, str]] = []
+    previous_end = 0
+    for span in raw if isinstance(raw, list) else [raw]:
+        if not (isinstance(span, list) and len(span) == 3 and all(type(x) is int for x in span[:2])):
+            raise malformed(f"meta_info.miles_weight_version_spans has {span!r}, not [start, end, version]")
+        start, end = span[0], span[1]
+        if not previous_end <= start < end <= num_output_tokens:
+            raise malformed(f"meta_info.miles_weight_version_spans has [{start}, {end}) out of order or range")
+        spans.append((start, end, str(span[2])))
+        previous_end = end
+    return spans if len(spans) > 1 else None
 
 
 class StreamAccumulator:

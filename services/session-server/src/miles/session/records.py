@@ -187,6 +187,9 @@ class TurnRecord:
     routing_start_row: int | None = None
     """First token position whose routing this turn's stored chunk holds (the engine's routed_experts_start_len);
     the chunk covers [routing_start_row, prompt_len + len(completion_ids) - 1). None: no routing recorded."""
+    weight_version_spans: list[tuple[int, int, str]] | None = None
+    """[start, end, weight_version] over completion_ids when the engine sampled them with more than one version
+    (a pause carried the call across a weight update); None: every token is `weight_version`'s."""
 
     def to_json(self, *, copy_arrays: bool = True) -> Json:
         """`copy_arrays=False`: the JSON shares this record's id and logprob lists (for a record no one else holds)."""
@@ -214,7 +217,13 @@ class TurnRecord:
             created_at_unix_ms=int(data["created_at_unix_ms"]),
             upstream_latency_s=float(data["upstream_latency_s"]),
             routing_start_row=None if data.get("routing_start_row") is None else int(data["routing_start_row"]),
+            weight_version_spans=_spans_from_json(data.get("weight_version_spans")),
         )
+
+
+def _spans_from_json(raw: Any) -> list[tuple[int, int, str]] | None:
+    """A stored TurnRecord's weight_version_spans (absent in records written before they were kept)."""
+    return None if raw is None else [(int(start), int(end), str(label)) for start, end, label in raw]
 
 
 @dataclass(frozen=True)

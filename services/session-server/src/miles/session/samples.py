@@ -79,6 +79,19 @@ def span_version(label: str) -> int:
     return INITIAL_WEIGHT_VERSION if version is None else version
 
 
+def turn_spans(turn: TurnSlice, offset: int) -> list[WeightSpanData]:
+    """The weight spans of a turn's kept tokens, shifted by `offset`: one per version that sampled them (the
+    engine's spans when a pause carried the call across an update), none when no token stays (a turn whose only
+    token was trimmed, GLM)."""
+    raw = turn.record.weight_version_spans or [(0, len(turn.record.completion_ids), turn.record.weight_version)]
+    spans: list[WeightSpanData] = []
+    for start, end, label in raw:
+        end = min(end, turn.num_kept)
+        if start < end:
+            spans.append(WeightSpanData(offset + start, offset + end, span_version(label)))
+    return spans
+
+
 def align(records: Sequence[TurnRecord], token_ids: Sequence[int], max_trim_tokens: int) -> list[TurnSlice]:
     """Place every record in the buffer with the trailing-token trim (step 1 of the module docstring)."""
     slices: list[TurnSlice] = []
@@ -168,9 +181,7 @@ def merge(turns: Sequence[TurnSlice], token_ids: Sequence[int], sample_id: str) 
         sample.loss_mask.extend([1] * turn.num_kept)
         sample.rollout_logprobs.extend(logprobs)
         num_null += nulls
-        if turn.num_kept:  # a turn whose only token was trimmed (GLM) generated nothing that stays
-            version = span_version(turn.record.weight_version)
-            sample.weight_versions.append(WeightSpanData(span_start, span_start + turn.num_kept, version))
+        sample.weight_versions.extend(turn_spans(turn, span_start))
     sample.metadata = {**_turn_facts(included), "num_null_logprobs": num_null, "num_turns": len(included)}
     return sample
 
@@ -179,7 +190,6 @@ def per_turn(turns: Sequence[TurnSlice], token_ids: Sequence[int], episode_id: s
     samples = []
     for turn in turns:
         logprobs, nulls = _turn_arrays(turn)
-        version = span_version(turn.record.weight_version)
         samples.append(
             SampleData(
                 sample_id=f"{episode_id}/turn-{turn.record.turn_index}",
@@ -187,7 +197,7 @@ def per_turn(turns: Sequence[TurnSlice], token_ids: Sequence[int], episode_id: s
                 response_start=turn.prompt_len,
                 loss_mask=[1] * turn.num_kept,
                 rollout_logprobs=logprobs,
-                weight_versions=[WeightSpanData(0, turn.num_kept, version)] if turn.num_kept else [],
+                weight_versions=turn_spans(turn, 0),
                 status=turn.status,
                 metadata={**_turn_facts([turn]), "num_null_logprobs": nulls, "num_turns": 1},
             )

@@ -22,7 +22,7 @@ def spec_files(spec: JobSpec) -> dict[str, dict[str, Any]]:
     Only fields the templates do not set by environment (see the job_templates docstring)."""
     sync = spec.weight_sync
     # The chart sets the addresses by env (origin, router, pool, update-group port); the spec decides the rest.
-    publish = {"kind": sync.transport, "dtype": sync.dtype, "pause_mode": sync.pause_mode}
+    publish = {"kind": sync.transport, "dtype": sync.dtype, "pause_mode": spec.pause_mode}
     return {
         "spec.json": (spec_json := spec.model_dump(mode="json")),
         "trainer.json": {
@@ -35,7 +35,7 @@ def spec_files(spec: JobSpec) -> dict[str, dict[str, Any]]:
             "evaluation": spec_json["evaluation"],
             **barrier_settings(spec),
         },
-        "weightsync.json": {"pause_mode": sync.pause_mode},
+        "weightsync.json": {"pause_mode": spec.pause_mode},
     }
 
 

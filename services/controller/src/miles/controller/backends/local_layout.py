@@ -162,7 +162,7 @@ def write_weightsync_config(
         "engine_urls": engine_urls,
         "router_url": shared.router_url,
         "pool": job_id,
-        "pause_mode": spec.weight_sync.pause_mode if shared.router_url else "retract",
+        "pause_mode": spec.pause_mode if shared.router_url else "retract",
         "store_dir": str(job_dir / "weights" / "store"),
         "work_dir": str(job_dir / "weights" / "work"),
         "model_config_dir": spec.model.path,
@@ -249,7 +249,7 @@ def trainer_publish_section(
     if transport == "stream":
         section["weightsync_address"] = origin
         return section
-    section.update(router_url=shared.router_url, pool=job_id, pause_mode=spec.weight_sync.pause_mode)
+    section.update(router_url=shared.router_url, pool=job_id, pause_mode=spec.pause_mode)
     if transport == "nccl":
         section.update(nccl_master_address="127.0.0.1", nccl_master_port=0, nccl_backend="gloo")
     else:
