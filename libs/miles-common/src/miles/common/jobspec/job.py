@@ -177,8 +177,8 @@ class WeightSyncSpec(_Section):
     recomputed) or `in_place` (they resume on the new weights with their old KV). null (the default): `in_place`
     on the miles CPU engine (`resources.engines.kind: cpu`), which reports the weights that sampled each token
     (`meta_info.miles_weight_version_spans`), so a turn an update carried across is recorded as spans of both
-    versions and the engine never idles for an update (`make bench-async`: 2.87 samples/s against 2.61-2.70 with
-    drain); `drain` on SGLang engines, which report one version per call, so that every turn is one version's."""
+    versions and the engine never idles for an update (`make bench-async`: 2.95-3.04 samples/s against 2.61-2.70
+    with drain); `drain` on SGLang engines, which report one version per call, so that every turn is one version's."""
 
     @field_validator("transport", mode="before")
     @classmethod

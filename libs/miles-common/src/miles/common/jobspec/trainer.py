@@ -237,8 +237,8 @@ class TrainConfig(Section):
     (partial rollout): a long episode that ran on across weight updates keeps its fresh turns: the trainer masks
     every span older than the bound out of the loss (they stay context) and trains the rest; only a group with no
     span within the bound is dropped. `drop`: the whole group is dropped, which throws its generation away and
-    biases training towards short episodes (`make bench-async`: 2.1-2.4x the barrier baseline's samples/s with
-    drop, 2.7 with mask). Sync mode always drops (it trains version k on version k's data only)."""
+    biases training towards short episodes (`make bench-async`, drain updates: 2.1-2.4x the barrier baseline's
+    samples/s with drop, 2.7 with mask). Sync mode always drops (it trains version k on version k's data only)."""
 
     batch_size_groups: int = Field(default=8, ge=1)
     """Groups per trainer step (the global batch, one published weight version); with the defaults
