@@ -110,7 +110,7 @@ def test_codecs_round_trip_text_with_special_tokens() -> None:
 
 
 def test_long_texts_and_id_runs_take_the_gil_free_paths_with_the_same_result() -> None:
-    """Past 16k characters / 4k ids the codec switches to `encode_batch_fast` / `decode_batch` (GIL released): the
+    """Past 16 characters / 4k ids the codec switches to `encode_batch_fast` / `decode_batch` (GIL released): the
     ids and text must be exactly what `encode` / `decode` give, special tokens and multi-byte characters included."""
     codec = HFTokenizerCodec.from_file(bundled_tokenizer_dir("qwen3"))
     tokenizer = codec._tokenizer

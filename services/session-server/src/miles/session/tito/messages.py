@@ -67,8 +67,27 @@ def lone_surrogate(value: Any) -> str | None:
     return None
 
 
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Whether any string or key of a JSON value holds a lone surrogate: `first_json_path`'s answer without
+    building a path for every node (a turn checks every message it renders, so this runs on each request)."""
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict | Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
+
+
 def check_text(value: Any, *, where: str, error: type[InvalidArgumentError] = InvalidMessageError) -> None:
     """Raise `error` naming the field when a string or key of `value` is not text (see `lone_surrogate`)."""
+    if not _holds_lone_surrogate(value):
+        return
     found = first_json_path(value, lone_surrogate, where)
     if found is not None:
         raise error(f"{found[0]} {found[1]}", field=found[0])

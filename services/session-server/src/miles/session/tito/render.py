@@ -3,9 +3,10 @@
 We render with jinja2 directly instead of `tokenizer.apply_chat_template` because (1) transformers 5 drops
 `None` values from messages, which changes what templates like DeepSeek-V3's render, (2) TITO renders two
 tiny synthetic conversations per turn and the transformers call overhead would dominate, and (3) the session
-server must not need transformers. The environment mirrors transformers' (`ImmutableSandboxedEnvironment`,
-`trim_blocks`, `lstrip_blocks`, loop controls, `tojson` without HTML escaping and with `ensure_ascii=False`,
-`raise_exception`, `strftime_now`, `{% generation %}` blocks); a test checks the output equals transformers'.
+server must not need transformers. The environment mirrors transformers' (`ImmutableSandboxedEnvironment`, here
+with faster lookups that answer alike, `trim_blocks`, `lstrip_blocks`, loop controls, `tojson` without HTML
+escaping and with `ensure_ascii=False`, `raise_exception`, `strftime_now`, `{% generation %}` blocks); a test checks
+the output equals transformers'.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from miles.session.tito.errors import TemplateRenderError
 
@@ -40,6 +43,33 @@ class _GenerationBlock(jinja2.ext.Extension):
         return str(caller())
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+_SAFE_STR_METHODS = frozenset(name for name in dir(str) if not name.startswith("_")) - {"format", "format_map"}
+
+
+class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with a fast path for the lookups chat templates make most: on a plain dict, a key that is no
+    dict attribute (`message.role`); on a str, a public method other than `format`/`format_map`, which the sandbox
+    wraps (`content.startswith`); a public name of jinja's `loop` or `namespace()` (`loop.first`, `ns.flag`).
+    Each gives what `ImmutableSandboxedEnvironment.getattr` gives, without its exception and safety-check round
+    trip (~40 % of a small render); anything else takes the sandbox's own path."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            return obj[attribute] if attribute in obj else self.undefined(obj=obj, name=attribute)
+        if kind is str and attribute in _SAFE_STR_METHODS:
+            return getattr(obj, attribute)
+        if (kind is LoopContext or kind is Namespace) and not attribute.startswith("_"):
+            try:  # jinja's own `loop` and `namespace()`: the sandbox's checks pass every public name of theirs
+                value = getattr(obj, attribute)
+            except AttributeError:
+                return self.undefined(obj=obj, name=attribute)
+            wrapped = self.wrap_str_format(value)
+            return value if wrapped is None else wrapped
+        return super().getattr(obj, attribute)
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -58,7 +88,7 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=64)
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template once per process (the compiled form is the expensive part)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatTemplateSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
