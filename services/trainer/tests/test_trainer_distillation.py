@@ -36,7 +36,9 @@ def sample(mask: list[int], rollout: list[float], teacher: list[float] | None, a
 def test_token_advantages_are_the_teacher_minus_student_logprob_plus_the_weighted_reward_advantage() -> None:
     first = sample([1, 0, 1], [-1.0, -9.0, -0.5], [-0.25, -2.0, -1.5], advantage=0.5)
     second = sample([1, 1], [-2.0, -0.125], [-1.0, -0.125], advantage=-1.0)
-    stats = apply_distillation([first, second], DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.5))
+    stats = apply_distillation(
+        [first, second], DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.5, discount=0.0)
+    )
     # first: 2 * (-0.25 + 1.0) + 0.25 = 1.75; masked: 0; 2 * (-1.5 + 0.5) + 0.25 = -1.75
     assert first.token_advantages == [1.75, 0.0, -1.75]
     # second: 2 * (-1.0 + 2.0) - 0.5 = 1.5; 2 * 0 - 0.5 = -0.5
@@ -46,6 +48,25 @@ def test_token_advantages_are_the_teacher_minus_student_logprob_plus_the_weighte
     assert stats["distill_advantage_mean"] == pytest.approx((1.75 - 1.75 + 1.5 - 0.5) / 4)
     flat = flatten([first, second], trainer_version=0)
     assert flat.advantages.tolist() == [1.75, 0.0, -1.75, 1.5, -0.5]
+
+
+def test_a_discount_turns_the_distillation_term_into_its_reward_to_go_over_loss_tokens() -> None:
+    """d = teacher - student per loss token; with discount g each token gets d_t + g * (next loss token's value),
+    the masked token skipped (not counted in the exponent) and zero; the baseline then acts on the reward-to-go,
+    while the reported reverse KL stays the per-token mean."""
+    first = sample([1, 0, 1, 1], [-1.0, -9.0, -0.5, -2.0], [-0.5, -1.0, -1.5, -1.0], advantage=0.0)
+    second = sample([1, 1], [-2.0, -1.0], [-1.0, -1.0], advantage=0.0)
+    # d: first [0.5, -, -1.0, 1.0], second [1.0, 0.0]; g = 0.5 from the end:
+    # first: 1.0; -1.0 + 0.5 * 1.0 = -0.5; 0.5 + 0.5 * -0.5 = 0.25. second: 0.0; 1.0 + 0.0 = 1.0
+    config = DistillationConfig(teacher_pool="t", discount=0.5)
+    stats = apply_distillation([first, second], config)
+    assert first.token_advantages == [0.25, 0.0, -0.5, 1.0]
+    assert second.token_advantages == [1.0, 0.0]
+    assert stats["distill_reverse_kl_mean"] == pytest.approx(-(0.5 - 1.0 + 1.0 + 1.0 + 0.0) / 5)
+    whole = sample([1, 1, 1], [-1.0, -1.0, -1.0], [-0.5, -1.5, -0.75], advantage=0.0)
+    apply_distillation([whole], DistillationConfig(teacher_pool="t", discount=1.0, baseline="batch_mean"))
+    # d [0.5, -0.5, 0.25] -> reward-to-go [0.25, -0.25, 0.25], mean 1/12
+    assert whole.token_advantages == pytest.approx([0.25 - 1 / 12, -0.25 - 1 / 12, 0.25 - 1 / 12])
 
 
 def test_a_step_whose_task_rewards_are_all_equal_still_has_the_teachers_signal() -> None:
@@ -101,7 +122,7 @@ def test_a_baseline_centres_or_whitens_the_distillation_term_alone_over_the_batc
         return first, second, ignored
 
     first, second, ignored = batch()
-    config = DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.5, baseline="batch_mean")
+    config = DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.5, baseline="batch_mean", discount=0.0)
     stats = apply_distillation([first, second, ignored], config)
     # first: 2 * (0.75 - 0.1875) + 0.25 = 1.375; 2 * (-1.0 - 0.1875) + 0.25 = -2.125
     assert first.token_advantages == [1.375, 0.0, -2.125]
@@ -113,12 +134,16 @@ def test_a_baseline_centres_or_whitens_the_distillation_term_alone_over_the_batc
     assert stats["distill_advantage_mean"] == pytest.approx((1.375 - 2.125 + 1.125 - 0.875) / 4)
 
     first, second, ignored = batch()
-    config = DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.0, baseline="batch_whiten")
+    config = DistillationConfig(teacher_pool="t", kl_coef=2.0, reward_weight=0.0, baseline="batch_whiten", discount=0.0)
     apply_distillation([first, second, ignored], config)
     std = 0.60546875**0.5 + BASELINE_EPS
     assert first.token_advantages == pytest.approx([2 * 0.5625 / std, 0.0, 2 * -1.1875 / std])
     assert second.token_advantages == pytest.approx([2 * 0.8125 / std, 2 * -0.1875 / std])
     assert DistillationConfig(teacher_pool="t").baseline == "none"
+    assert DistillationConfig(teacher_pool="t").discount == 1.0
+    for discount in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="discount"):
+            DistillationConfig(teacher_pool="t", discount=discount)
 
 
 def test_a_baseline_over_a_batch_without_loss_tokens_sets_zero_advantages() -> None:

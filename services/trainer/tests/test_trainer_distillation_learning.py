@@ -4,7 +4,9 @@ the same model trained longer (conftest `small_teacher_dir`: 20 supervised steps
 served by a real `miles-engine` (torch, CPU) in the pool `teacher` of a real `miles-rollout-router`, and scored
 by the rollout worker's own `TeacherScorer` (SGLang `/generate`, `max_new_tokens` 0, `logprob_start_len` at the
 token before the response). Rollouts are sampled in process from the weights the trainer publishes (sync mode,
-miles.trainer.toy_task); pure distillation (reward_weight 0), baseline `batch_mean`.
+miles.trainer.toy_task); pure distillation (reward_weight 0), baseline `batch_mean`, discount 0: the per-token
+estimator (the default discount 1, the sequence's reward-to-go, fell here too: seed 0 0.67 -> 0.12-0.16, last three
+/ first two 0.23; tests/test_e2e_distillation.py shows why it is the default).
 
 KL of a version: mean (student - teacher) logprob over its groups' loss tokens (the trainer's
 `distill_reverse_kl_mean`, checked equal to what it reported). Checked: the mean of the last three versions' KL is
@@ -206,6 +208,7 @@ async def test_on_policy_distillation_lowers_the_students_reverse_kl_to_a_differ
         seed=seed,
         distillation__teacher_pool=TEACHER_POOL,
         distillation__baseline=BASELINE,
+        distillation__discount=0.0,
     )
     env["MILES_TRAINER_TRAIN__OPTIMIZER__LR"] = str(LR)
     async with BufferClient(buffer_process.target) as buffer:

@@ -15,10 +15,13 @@ standard deviation of d over them:
     batch_mean:   baseline(d)_t = d_t - m
     batch_whiten: baseline(d)_t = (d_t - m) / (s + BASELINE_EPS)
 
-Tokens outside the loss mask get 0 (they are not trained on anyway).
+Tokens outside the loss mask get 0 (they are not trained on anyway). With `discount` g > 0, d is first replaced by its
+reward-to-go over the sample's loss tokens, d_t <- d_t + g * d_next(t) (next loss token; the baseline's m and s are
+then those of the reward-to-go).
 
 The step metrics report the estimate before any baseline: `distill_reverse_kl_mean`, the mean over the batch's loss
-tokens of (student - teacher) logprob (what should fall as the student learns), `distill_reverse_kl_std` (s), and
+tokens of (student - teacher) logprob (what should fall as the student learns), `distill_reverse_kl_std` (s: of
+the reward-to-go with a discount), and
 `distill_advantage_mean`, the mean of the advantages A_t themselves.
 """
 
@@ -32,6 +35,18 @@ from miles.trainer.batch import TrainSample
 
 BASELINE_EPS = 1e-6
 """Added to the standard deviation before dividing (`batch_whiten`)."""
+
+
+def _reward_to_go(differences: list[float | None], discount: float) -> list[float | None]:
+    """Each loss token's d plus `discount` times the next loss token's reward-to-go (None stays None)."""
+    result: list[float | None] = [None] * len(differences)
+    running = 0.0
+    for index in range(len(differences) - 1, -1, -1):
+        difference = differences[index]
+        if difference is not None:
+            running = difference + discount * running
+            result[index] = running
+    return result
 
 
 def apply_distillation(samples: Sequence[TrainSample], config: DistillationConfig) -> dict[str, float]:
@@ -49,6 +64,10 @@ def apply_distillation(samples: Sequence[TrainSample], config: DistillationConfi
         )
     valid = [d for per_sample in differences for d in per_sample if d is not None]
     num_tokens = len(valid)
+    kl_mean = -sum(valid) / num_tokens if num_tokens else 0.0
+    if config.discount > 0:
+        differences = [_reward_to_go(per_sample, config.discount) for per_sample in differences]
+        valid = [d for per_sample in differences for d in per_sample if d is not None]
     mean = sum(valid) / num_tokens if num_tokens else 0.0
     std = math.sqrt(sum((d - mean) ** 2 for d in valid) / num_tokens) if num_tokens else 0.0
     shift, scale = 0.0, 1.0
@@ -70,7 +89,7 @@ def apply_distillation(samples: Sequence[TrainSample], config: DistillationConfi
         sample.token_advantages = advantages
     denominator = max(1, num_tokens)
     return {
-        "distill_reverse_kl_mean": -mean,
+        "distill_reverse_kl_mean": kl_mean,
         "distill_reverse_kl_std": std,
         "distill_advantage_mean": advantage_sum / denominator,
     }
