@@ -73,8 +73,7 @@ def reserve(port: int, directory: Path | None = None) -> bool:
             marker = directory / str(port)
             if marker.exists() and time.time() - marker.stat().st_mtime < RESERVATION_S:
                 return False
-            marker.touch()
-            os.utime(marker)
+            marker.touch()  # creates it, or sets the mtime of an expired one to now
             return True
     except OSError:
         return True

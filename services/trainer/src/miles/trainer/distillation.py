@@ -16,13 +16,12 @@ standard deviation of d over them:
     batch_whiten: baseline(d)_t = (d_t - m) / (s + BASELINE_EPS)
 
 Tokens outside the loss mask get 0 (they are not trained on anyway). With `discount` g > 0, d is first replaced by its
-reward-to-go over the sample's loss tokens, d_t <- d_t + g * d_next(t) (next loss token; the baseline's m and s are
-then those of the reward-to-go).
+reward-to-go over the sample's loss tokens, R_t = d_t + g * R_next(t) (next(t): the sample's next loss token; R = 0
+past the last), and the baseline's m and s are those of R.
 
 The step metrics report the estimate before any baseline: `distill_reverse_kl_mean`, the mean over the batch's loss
-tokens of (student - teacher) logprob (what should fall as the student learns), `distill_reverse_kl_std` (s: of
-the reward-to-go with a discount), and
-`distill_advantage_mean`, the mean of the advantages A_t themselves.
+tokens of (student - teacher) logprob (what should fall as the student learns), `distill_reverse_kl_std` (s, of R
+with a discount), and `distill_advantage_mean`, the mean of the advantages A_t themselves.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _holds_lone_surrogate(value: Any) -> bool:
         if isinstance(item, str):
             if _LONE_SURROGATE.search(item):
                 return True
-        elif isinstance(item, dict | Mapping):
+        elif isinstance(item, dict | Mapping):  # dict first: the ABC check is the slow one
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list | tuple):
