@@ -4,8 +4,9 @@ The platform is the real one (`miles up` in a scratch home: redis, buffer, sandb
 server, controller with the local backend) and each job runs its real per-job processes (engine, weight-sync,
 rollout worker, trainer). What is simulated is the engine's speed: `miles-engine --fake-model` with a GPU-like
 cost model — a fixed time per forward whatever its batch (decode is memory-bound: a lone long-tail request keeps
-the engine as busy as a full batch) plus a time per prefilled token — in place of the real CPU engine, which would
-measure this machine's two cores, not the scheduling. It runs over the demo model's small vocabulary so that the
+the engine as busy as a full batch) plus a time per prefilled token; a new turn's prefill shares the running
+requests' decode forward (the engine's default `--enable-mixed-chunk`) — in place of the real CPU engine, which
+would measure this machine's two cores, not the scheduling. It runs over the demo model's small vocabulary so that the
 real trainer trains on what it samples. The task is long-tailed: each episode makes `turns` model calls with
 `turns` drawn per episode from a Pareto distribution (alpha 1.1, capped at 24; see _async_agent.py), so a few
 episodes are much longer than the rest.

@@ -5,6 +5,7 @@ sequence that was paused, retracted or batched must come out exactly as an undis
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,38 @@ async def test_new_requests_join_a_running_batch(make_engine: MakeEngine) -> Non
     assert long["meta_info"]["completion_tokens"] == 120
     alone = await generate(engine, input_ids=[5, 6, 7], sampling_params=greedy(120, ignore_eos=True))
     assert alone["output_ids"] == long["output_ids"]
+
+
+@pytest.mark.parametrize("mixed_chunk", [True, False])
+async def test_a_new_request_is_prefilled_in_the_running_batch_s_decode_step(
+    make_engine: MakeEngine, mixed_chunk: bool
+) -> None:
+    """SGLang's mixed chunk: the short request's prefill shares a forward with the long one's next decode step, so
+    the long one needs no more forwards than alone; without it that prefill is a forward of its own."""
+    engine = make_engine(fake_forward_cost_s=0.004, enable_mixed_chunk=mixed_chunk)
+    slept_s: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept_s.append(seconds)
+        time.sleep(seconds)
+
+    engine.scheduler._runner.sleep = sleep
+    long_body = {"input_ids": [5, 6, 7], "sampling_params": greedy(100, ignore_eos=True)}
+    alone = await generate(engine, **long_body)
+    num_forwards_alone = len(slept_s)
+    slept_s.clear()
+    long_task = asyncio.create_task(generate(engine, **long_body))
+    for _ in range(6000):  # until the long request is decoding (polls for up to 30 s)
+        if len(slept_s) >= 2:
+            break
+        await asyncio.sleep(0.005)
+    short = await generate(engine, input_ids=[8, 9, 40, 41], sampling_params=greedy(3))
+    assert not long_task.done(), "the short request finished after the long one"
+    together = await long_task
+    assert len(slept_s) - num_forwards_alone == (0 if mixed_chunk else 1)
+    assert together["output_ids"] == alone["output_ids"]
+    short_alone = await generate(engine, input_ids=[8, 9, 40, 41], sampling_params=greedy(3))
+    assert short["output_ids"] == short_alone["output_ids"]
 
 
 async def _generate_together(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> None:

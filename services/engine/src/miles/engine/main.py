@@ -84,6 +84,7 @@ def build_engine(settings: EngineSettings, metrics: Metrics) -> tuple[Engine, Se
         weight_version=settings.weight_version,
         metrics=engine_metrics,
         max_loras_per_batch=settings.max_loras_per_batch,
+        mixed_chunk=settings.enable_mixed_chunk,
     )
     scheduler.start()
     adapters = _adapters(settings, runner, scheduler, engine_metrics)

@@ -83,7 +83,9 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS_S,
         )
         self._model_name = model_name
-        self.forward_s = metrics.histogram("forward_duration_seconds", "One model forward, seconds", ["kind"])
+        self.forward_s = metrics.histogram(
+            "forward_duration_seconds", "One model forward (kind: prefill, decode, or mixed: both), seconds", ["kind"]
+        )
         self.computed_tokens = metrics.counter("computed_tokens", "Tokens run through the model", ["kind"])
         self.radix_cache_tokens = metrics.gauge("radix_cache_tokens", "Tokens held by the radix prefix cache")
         self.radix_evicted_tokens = metrics.counter("radix_cache_evicted_tokens", "Tokens evicted from the cache")

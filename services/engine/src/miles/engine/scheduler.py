@@ -2,7 +2,10 @@
 
 Each loop turn runs the commands sent by the HTTP side (submit, abort, pause, weight updates, flush), then one
 step: a pending weight update if its barrier is reached, else a prefill of newly admitted sequences, else one
-decode step of every running sequence (continuous batching: new sequences join between decode steps).
+decode step of every running sequence (continuous batching: new sequences join between decode steps). With
+`mixed_chunk` (SGLang's --enable-mixed-chunk, the default here) a prefill step also decodes every running
+sequence in the same forward, so that a new request does not cost the running ones a forward of waiting. Unlike
+SGLang's, a prefill is never split into chunks: `max_prefill_tokens` bounds how many sequences join one step.
 
 Memory model (seq_pool.py, SGLang's): a token budget `max_total_tokens` shared by the radix cache and running
 sequences; `SeqPool` holds the waiting queue and the running set, admits sequences that fit and gives their KV
@@ -65,8 +68,10 @@ class Scheduler:
         weight_version: str,
         metrics: EngineMetrics | None = None,
         max_loras_per_batch: int = 8,
+        mixed_chunk: bool = True,
     ) -> None:
         self._runner = runner
+        self._mixed_chunk = mixed_chunk
         self._cache = cache
         self._tokenizer = tokenizer
         self._eos_ids = eos_token_ids
@@ -237,7 +242,7 @@ class Scheduler:
             return False
         admitted = self._pool.admit(self._weights.barrier)
         if admitted:
-            self._prefill(admitted)
+            self._prefill(admitted, with_decode=self._mixed_chunk)
             return True
         if self._pool.running:
             self._decode()
@@ -254,7 +259,10 @@ class Scheduler:
         seq.state = "waiting"
         self._pool.waiting.append(seq)
 
-    def _prefill(self, admitted: list[tuple[Sequence, int]]) -> None:
+    def _prefill(self, admitted: list[tuple[Sequence, int]], *, with_decode: bool = False) -> None:
+        """Prefill the admitted sequences; `with_decode`: in the same forward, one decode step of every sequence
+        already running (SGLang's mixed chunk), so a new turn does not stall them for a forward of its own."""
+        decoding = self._decode_items() if with_decode else []
         items = []
         for seq, matched in admitted:
             start = seq.logprobs.logprob_start_len
@@ -264,10 +272,11 @@ class Scheduler:
             self._pool.running.append(seq)
         total = sum(len(s.all_ids) for s, _ in admitted)
         self._last_hit_rate = sum(m for _, m in admitted) / total if total else 0.0
-        results = self._forward("prefill", items)
+        results = self._forward("mixed" if decoding else "prefill", decoding + items)
         if results is None:
             return
-        for item, result in zip(items, results, strict=True):
+        self._advance_decoded(decoding, results[: len(decoding)])
+        for item, result in zip(items, results[len(decoding) :], strict=True):
             seq = item.seq
             input_logprobs = None
             cached = None
@@ -281,16 +290,22 @@ class Scheduler:
             else:
                 self._advance(seq, result.next_token, cached, input_logprobs)
 
-    def _decode(self) -> None:
-        items = [
+    def _decode_items(self) -> list[ForwardItem]:
+        return [
             ForwardItem(seq, [seq.output_ids[-1]], len(seq.prompt_ids) + len(seq.output_ids) - 1, True)
             for seq in self._pool.running
         ]
+
+    def _decode(self) -> None:
+        items = self._decode_items()
         started = time.monotonic()
         results = self._forward("decode", items)
         if results is None:
             return
         self._last_throughput = len(items) / max(time.monotonic() - started, 1e-9)
+        self._advance_decoded(items, results)
+
+    def _advance_decoded(self, items: list[ForwardItem], results: list[ForwardResult]) -> None:
         for item, result in zip(items, results, strict=True):
             assert result.next_token is not None
             self._advance(item.seq, result.next_token, None, None)
