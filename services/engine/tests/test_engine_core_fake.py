@@ -139,7 +139,7 @@ async def test_a_new_request_is_prefilled_in_the_running_batch_s_decode_step(
             break
         await asyncio.sleep(0.005)
     short = await generate(engine, input_ids=[8, 9, 40, 41], sampling_params=greedy(3))
-    assert not long_task.done(), "the short request finished after the long one"
+    assert not long_task.done(), "the long request ended before the short one did"
     together = await long_task
     assert len(slept_s) - num_forwards_alone == (0 if mixed_chunk else 1)
     assert together["output_ids"] == alone["output_ids"]

@@ -272,9 +272,12 @@ class Scheduler:
             self._pool.running.append(seq)
         total = sum(len(s.all_ids) for s, _ in admitted)
         self._last_hit_rate = sum(m for _, m in admitted) / total if total else 0.0
+        started = time.monotonic()
         results = self._forward("mixed" if decoding else "prefill", decoding + items)
         if results is None:
             return
+        if decoding:  # under steady arrivals most steps are mixed: the gauge must not freeze at the last decode
+            self._last_throughput = len(decoding) / max(time.monotonic() - started, 1e-9)
         self._advance_decoded(decoding, results[: len(decoding)])
         for item, result in zip(items, results[len(decoding) :], strict=True):
             seq = item.seq
